@@ -1,0 +1,135 @@
+"""The `reflow` command line.
+
+    reflow run CONFIG [--out DIR] [--dry-run] [section.field=value ...]
+    reflow serve {api,scheduler,replay,rollout,trainer} [--port P]
+    reflow submit CONFIG [--url URL] [section.field=value ...]
+    reflow jobs [JOB_ID] [--url URL]
+
+Imports stay lazy so that `reflow --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+SERVICES = ("api", "scheduler", "replay", "rollout", "trainer")
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _load_spec(config: str, overrides: list[str]):
+    from reflow.core.config import JobSpecError, load_job_spec
+
+    try:
+        return load_job_spec(config, overrides)
+    except JobSpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except FileNotFoundError:
+        print(f"error: config file {config!r} not found", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from reflow.core.config import dump_job_spec
+
+    spec = _load_spec(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_job_spec(spec), end="")
+        return 0
+    from reflow.launcher import run_local
+
+    return run_local(spec, args.out)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _setup_logging(os.environ.get("REFLOW_LOG_LEVEL", "INFO"))
+    from reflow.serve import serve_service
+
+    return serve_service(args.service, args.host, args.port)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import httpx
+
+    spec = _load_spec(args.config, args.overrides)
+    reply = httpx.post(f"{args.url}/v1/jobs", json=spec.model_dump(mode="json"), timeout=30)
+    if reply.status_code >= 400:
+        print(f"error: {reply.status_code} {reply.json().get('detail')}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply.json(), indent=2))
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    import httpx
+
+    path = f"/v1/jobs/{args.job_id}" if args.job_id else "/v1/jobs"
+    reply = httpx.get(f"{args.url}{path}", timeout=30)
+    if reply.status_code >= 400:
+        print(f"error: {reply.status_code} {reply.json().get('detail')}", file=sys.stderr)
+        return 1
+    body = reply.json()
+    for job in body if isinstance(body, list) else [body]:
+        print(f"{job['job_id']:<32} {job['phase']:<10} step {job['step']}/{job['num_steps']} "
+              f"reward {job['reward_mean']:.3f} {job['reason']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reflow", description="Replay-driven RL post-training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a whole job locally, every service its own process")
+    run.add_argument("config", help="JobSpec YAML file")
+    run.add_argument("overrides", nargs="*", metavar="section.field=value")
+    run.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
+    run.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    run.set_defaults(fn=cmd_run)
+
+    serve = sub.add_parser("serve", help="run one service (what a container runs)")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("--host", default=os.environ.get("REFLOW_HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("REFLOW_PORT", "0")))
+    serve.set_defaults(fn=cmd_serve)
+
+    submit = sub.add_parser("submit", help="submit a job to a running API")
+    submit.add_argument("config")
+    submit.add_argument("overrides", nargs="*", metavar="section.field=value")
+    submit.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"))
+    submit.set_defaults(fn=cmd_submit)
+
+    jobs = sub.add_parser("jobs", help="list jobs, or show one")
+    jobs.add_argument("job_id", nargs="?")
+    jobs.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"))
+    jobs.set_defaults(fn=cmd_jobs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from reflow.procs import die_with_parent
+
+    die_with_parent()
+    parser = build_parser()
+    # Overrides may come after options (`run cfg --out d a.b=1`), which argparse
+    # leaves unparsed; accept exactly those.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The job specification: one validated object that describes a whole RL job.
+
+`JobSpec` is validated once, at the edge (the CLI or the REST API); services
+receive it already checked. Every section is one level deep
+(`section.field`), unknown keys are rejected, and every numeric field states
+its range so a user mistake comes back as a message naming the field.
+
+This module imports neither torch, vLLM nor grpc: `reflow --help` and the API
+stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Where the policy model comes from."""
+
+    path: str = Field(
+        description="Local directory holding a Hugging Face format causal LM and its tokenizer."
+    )
+    build_if_missing: Literal["tiny-qwen3"] | None = Field(
+        default=None,
+        description="Build a small random model of this preset at `path` when the directory "
+        "does not exist yet (offline, seeded). None: the directory must exist.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Parameter dtype for the trainer and the rollout engine."
+    )
+
+
+class TaskConfig(_Section):
+    """The environment: prompts and the reward function."""
+
+    name: Literal["repeat"] = Field(
+        default="repeat", description="Built-in task name (see reflow.rollout.tasks)."
+    )
+    max_count: int = Field(
+        default=48, ge=1, le=512, description="Largest repetition count a prompt may ask for."
+    )
+    num_symbols: int = Field(
+        default=6, ge=2, le=26, description="How many distinct symbols prompts draw from."
+    )
+
+
+class RolloutConfig(_Section):
+    """Generation settings (paper §4.1 step 2)."""
+
+    group_size: int = Field(
+        default=8, ge=1, le=256, description="Samples per prompt (a GRPO group, n). 1 for PPO."
+    )
+    max_tokens: int = Field(default=64, ge=1, le=131072, description="Response length limit.")
+    temperature: float = Field(default=1.0, gt=0.0, le=4.0, description="Sampling temperature.")
+    max_inflight_samples: int = Field(
+        default=64,
+        ge=1,
+        description="B_max: most samples admitted to rollout workers ahead of training.",
+    )
+    kv_cache_gb: float = Field(
+        default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
+    )
+    engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
+
+
+class TrainerConfig(_Section):
+    """Optimisation settings (paper §4.1 step 3)."""
+
+    batch_size: int = Field(
+        default=64, ge=1, le=65536, description="b: trajectories per training step."
+    )
+    num_steps: int = Field(default=100, ge=1, description="Training steps before the job ends.")
+    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    clip_eps: float = Field(
+        default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping norm.")
+    sync_interval: int = Field(
+        default=1, ge=1, description="Publish a new policy version every this many steps."
+    )
+    batch_timeout_s: float = Field(
+        default=600.0, gt=0.0, description="Longest wait for a batch before the job fails."
+    )
+
+
+class ReplayConfig(_Section):
+    """Replay buffer behaviour."""
+
+    lease_ttl_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="A sampled batch stays leased this long; unreleased samples then return.",
+    )
+    max_unused_samples: int = Field(
+        default=128,
+        ge=1,
+        description="Rollout back-pressure: generation pauses while this many unused samples "
+        "wait in the buffer.",
+    )
+
+
+class JobSpec(_Section):
+    """A whole RL job. See examples/quickstart.yaml."""
+
+    name: str = Field(
+        default="job", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
+    seed: int = Field(default=0, ge=0)
+    model: ModelConfig
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+
+    @model_validator(mode="after")
+    def _check_groups_fit(self) -> JobSpec:
+        if self.trainer.batch_size % self.rollout.group_size:
+            raise ValueError(
+                f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of "
+                f"rollout.group_size ({self.rollout.group_size}): batches hold whole GRPO groups"
+            )
+        if self.rollout.max_inflight_samples < self.rollout.group_size:
+            raise ValueError(
+                f"rollout.max_inflight_samples ({self.rollout.max_inflight_samples}) must be at "
+                f"least rollout.group_size ({self.rollout.group_size})"
+            )
+        return self
+
+
+class JobSpecError(ValueError):
+    """A job spec that failed validation; the message names every bad field."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(spec)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        lines.append(f"{loc}: {msg}")
+    return "invalid job spec:\n  " + "\n  ".join(lines)
+
+
+def parse_job_spec(data: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise JobSpecError(format_validation_error(err)) from None
+
+
+def _coerce_scalar(text: str) -> Any:
+    # YAML rules give `3` -> int, `1e-3` -> float, `true` -> bool, `null` -> None.
+    # PyYAML reads `1e-3` (no dot) as a string, so numbers get a second chance.
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides to a raw spec dict (before validation)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise JobSpecError(f"override {item!r}: expected dotted.key=value")
+        parts = key.split(".")
+        if len(parts) > 2:
+            raise JobSpecError(f"override {key!r}: specs are at most section.field deep")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise JobSpecError(f"override {key!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _coerce_scalar(raw)
+    return data
+
+
+def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML spec, apply dotted overrides, validate. Relative model paths resolve
+    against the current directory so the resolved spec is valid anywhere."""
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise JobSpecError(f"{path}: the top level must be a mapping")
+    data = apply_overrides(data, overrides or [])
+    spec = parse_job_spec(data)
+    spec.model.path = str(Path(spec.model.path).expanduser().absolute())
+    return spec
+
+
+def dump_job_spec(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

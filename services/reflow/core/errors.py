@@ -1,0 +1,19 @@
+"""Typed errors that cross service boundaries. Clients translate transport
+status codes into these, so callers never see gRPC."""
+
+from __future__ import annotations
+
+
+class NotFound(KeyError):
+    """The named job or object does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class InvalidArgument(ValueError):
+    """The request was malformed; the message names the field."""
+
+
+class Unavailable(RuntimeError):
+    """The service could not be reached; retry later."""

@@ -1,0 +1,147 @@
+"""`reflow run`: a whole job on this machine, every service its own process.
+
+Starts an embedded Redis (append-only, in the run directory), the scheduler
+and the API; submits the job to the scheduler, which places the replay
+buffer, rollout worker and trainer with its local backend; shows progress
+from the API; and writes summary.json and report.png at the end. Ctrl-C stops
+the job and ends every process it started, vLLM's engine included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from reflow.core.config import JobSpec, dump_job_spec
+
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class _Progress:
+    """One status line: redrawn in place on a terminal, printed every 10 s otherwise."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
+        self.tty = sys.stdout.isatty()
+        self._last_print = 0.0
+        self._start = time.monotonic()
+
+    def show(self, job: dict) -> None:
+        elapsed = time.monotonic() - self._start
+        done = job["step"] / max(1, self.num_steps)
+        bar = "#" * int(done * 24) + "-" * (24 - int(done * 24))
+        line = (f"[{bar}] step {job['step']}/{self.num_steps}  {job['phase'].lower():<9} "
+                f"reward {job['reward_mean']:.3f}  {job['trainer_tokens_per_s']:.0f} tok/s  "
+                f"v{job['policy_version']}  {elapsed:5.0f}s")
+        if self.tty:
+            print("\r" + line, end="", flush=True)
+        elif time.monotonic() - self._last_print >= 10.0:
+            print(line, flush=True)
+            self._last_print = time.monotonic()
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+def _start(service: str, port: int, run_dir: Path, env: dict[str, str]):
+    from reflow import procs
+
+    args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
+    return procs.spawn(args, str(run_dir / "logs" / f"{service}.log"), env=env)
+
+
+def run_local(spec: JobSpec, out: str | None) -> int:
+    import httpx
+
+    from reflow import procs, rpc
+    from reflow.replay.embedded import EmbeddedRedis
+    from reflow.report import plot, read_metrics, summarize
+    from reflow.scheduler.client import GrpcSchedulerClient
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(out or f"runs/{spec.name}-{stamp}").absolute()
+    if (run_dir / "metrics.jsonl").exists():
+        print(f"error: {run_dir} already holds a run; pick another --out", file=sys.stderr)
+        return 2
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_job_spec(spec))
+
+    started = []
+    redis = None
+    # SIGTERM ends a run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    job_id = f"{spec.name}-{stamp}"
+    phase = "FAILED"
+    try:
+        redis = EmbeddedRedis(run_dir / "redis").start()
+        env = {"REDIS_URL": redis.url, "REFLOW_RUNS_DIR": str(run_dir.parent)}
+        sched_port, api_port = procs.free_port(), procs.free_port()
+        started.append(_start("scheduler", sched_port, run_dir, env))
+        env["REFLOW_SCHEDULER_ADDRESS"] = f"127.0.0.1:{sched_port}"
+        started.append(_start("api", api_port, run_dir, env))
+        rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
+        api = f"http://127.0.0.1:{api_port}"
+        _wait_http(f"{api}/healthz", 60)
+        scheduler = GrpcSchedulerClient(f"127.0.0.1:{sched_port}")
+        scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
+        print(f"job {job_id}: run directory {run_dir}", flush=True)
+        progress = _Progress(spec.trainer.num_steps)
+        while True:
+            job = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10).json()
+            progress.show(job)
+            if job["phase"] in TERMINAL:
+                break
+            time.sleep(1.0)
+        progress.close()
+        phase = job["phase"]
+        if job["reason"]:
+            print(f"job {job_id} {phase}: {job['reason']}", flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the job and every process it started", flush=True)
+        phase = "STOPPED"
+    finally:
+        for proc in reversed(started):
+            procs.terminate_tree(proc.pid, timeout_s=20)
+        if redis is not None:
+            redis.stop()
+        _reap_leftovers()
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    summary = {"job_id": job_id, "phase": phase, **summarize(records)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if records:
+        plot(records, run_dir / "report.png", title=f"{spec.name} ({phase.lower()})")
+    print(json.dumps(summary, indent=2))
+    return 0 if phase == "SUCCEEDED" else 1
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
+
+
+def _reap_leftovers() -> None:
+    """Whatever still descends from this process after shutdown is killed."""
+    import psutil
+
+    me = psutil.Process(os.getpid())
+    for child in me.children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass

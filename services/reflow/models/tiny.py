@@ -1,0 +1,112 @@
+"""Build a small random Qwen3-architecture model and its tokenizer, offline.
+
+No model can be downloaded where ReFlow's tests and quickstart run, so the
+quickstart builds its policy here: a word-level tokenizer trained with the
+`tokenizers` library on a corpus drawn from the task vocabulary, and a
+Qwen3 config small enough to train on two CPU cores. Both are saved in
+Hugging Face format, so vLLM and transformers load the directory exactly as
+they would a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import string
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<|endoftext|>"
+
+# Words the built-in tasks use: symbols, digits and a few operators. Numbers
+# are spelt digit by digit so the vocabulary stays small.
+TASK_WORDS = list(string.ascii_lowercase) + list(string.digits) + ["x", "=", ":", "+", "-"]
+
+TINY_QWEN3 = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
+
+
+def _train_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token=PAD_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=[PAD_TOKEN, EOS_TOKEN], min_frequency=1)
+    # Every task word appears in the corpus, so training yields a closed vocabulary.
+    corpus = [" ".join(TASK_WORDS)] * 4
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=PAD_TOKEN
+    )
+    fast.save_pretrained(out_dir)
+
+
+def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write a tokenizer and a randomly initialised tiny Qwen3 to `path`.
+
+    The directory appears atomically (built in a sibling temp dir, then
+    renamed), so a crashed build never leaves a half-written model behind.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    _train_tokenizer(staging)
+    tokenizer = AutoTokenizer.from_pretrained(staging)
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **TINY_QWEN3,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(staging, safe_serialization=True)
+    (staging / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    )
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process built it first; theirs is as good as ours.
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+    logger.info("built tiny qwen3 at %s (vocab %d)", target, len(tokenizer))
+    return target
+
+
+def ensure_model(path: str, build_if_missing: str | None, seed: int = 0) -> Path:
+    """Return the model directory, building the named preset first if it is absent."""
+    target = Path(path)
+    if (target / "config.json").exists():
+        return target
+    if build_if_missing is None:
+        raise FileNotFoundError(
+            f"model.path {path!r} holds no config.json; point it at a Hugging Face format model "
+            "directory or set model.build_if_missing"
+        )
+    if build_if_missing != "tiny-qwen3":
+        raise ValueError(f"model.build_if_missing: unknown preset {build_if_missing!r}")
+    return build_tiny_qwen3(target, seed=seed)

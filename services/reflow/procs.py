@@ -1,0 +1,98 @@
+"""Process helpers for the local backend: free ports, child processes that
+die with their parent, and tree-wide shutdown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PARENT_PID_ENV = "REFLOW_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """Called first thing in a child we spawned: have the kernel SIGTERM us when
+    the spawning process dies, so a killed launcher never strands a service.
+
+    Done in the child itself rather than in a preexec_fn: running Python
+    between fork and exec in a multi-threaded (gRPC) parent can deadlock."""
+    expected = os.environ.pop(PARENT_PID_ENV, None)
+    if expected is None:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        return
+    if os.getppid() != int(expected):
+        # The parent died before the signal was armed.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def terminate_tree(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGTERM a process and all its descendants, then SIGKILL what remains."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    # Children spawned while we waited are caught by a second sweep.
+    for p in alive + [c for c in _descendants(root) if c not in alive]:
+        try:
+            logger.warning("killing pid %d (%s) after %.0fs", p.pid, p.name(), timeout_s)
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _descendants(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        args,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
+    )
+    log.close()
+    return proc
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return True
+        time.sleep(0.05)
+    return False

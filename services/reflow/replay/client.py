@@ -1,0 +1,119 @@
+"""How other services reach the replay buffer: one interface, a gRPC
+implementation for separate processes and an in-process one (over a
+`ReplayStore`) for tests and single-process tools."""
+
+from __future__ import annotations
+
+import abc
+
+from reflow.core.types import Batch, Trajectory
+from reflow.replay.store import BufferStats, ReplayStore
+
+
+class ReplayClient(abc.ABC):
+    @abc.abstractmethod
+    def put(self, job_id: str, trajectories: list[Trajectory]) -> int: ...
+
+    @abc.abstractmethod
+    def sample(self, job_id: str, batch_size: int, lease_ttl_s: float,
+               timeout_s: float) -> Batch | None: ...
+
+    @abc.abstractmethod
+    def release(self, job_id: str, lease_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def publish_version(self, job_id: str, policy_version: int) -> None: ...
+
+    @abc.abstractmethod
+    def stats(self, job_id: str) -> BufferStats: ...
+
+    def close(self) -> None:
+        """Release transport resources."""
+
+
+class InprocReplayClient(ReplayClient):
+    def __init__(self, store: ReplayStore) -> None:
+        self.store = store
+
+    def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
+        return self.store.put(job_id, trajectories)
+
+    def sample(self, job_id: str, batch_size: int, lease_ttl_s: float,
+               timeout_s: float) -> Batch | None:
+        return self.store.lease(job_id, batch_size, lease_ttl_s, timeout_s)
+
+    def release(self, job_id: str, lease_id: str) -> int:
+        return self.store.release(job_id, lease_id)
+
+    def publish_version(self, job_id: str, policy_version: int) -> None:
+        self.store.publish_version(job_id, policy_version)
+
+    def stats(self, job_id: str) -> BufferStats:
+        return self.store.stats(job_id)
+
+
+class GrpcReplayClient(ReplayClient):
+    def __init__(self, address: str, deadline_s: float = 30.0) -> None:
+        from reflow import rpc
+        from reflow.v1 import replay_pb2_grpc
+
+        self.address = address
+        self.deadline_s = deadline_s
+        self._channel = rpc.channel(address)
+        self._stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
+
+    def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
+        from reflow.v1 import replay_pb2
+        from reflow.wire import trajectory_to_proto
+
+        req = replay_pb2.PutRequest(
+            job_id=job_id, trajectories=[trajectory_to_proto(t) for t in trajectories]
+        )
+        return self._stub.Put(req, timeout=self.deadline_s).accepted
+
+    def sample(self, job_id: str, batch_size: int, lease_ttl_s: float,
+               timeout_s: float) -> Batch | None:
+        from reflow.v1 import replay_pb2
+        from reflow.wire import trajectory_from_proto
+
+        req = replay_pb2.SampleRequest(
+            job_id=job_id, batch_size=batch_size, lease_ttl_s=lease_ttl_s, timeout_s=timeout_s
+        )
+        # The server waits up to timeout_s; the deadline leaves room for the transfer.
+        reply = self._stub.Sample(req, timeout=timeout_s + self.deadline_s)
+        if not reply.lease_id:
+            return None
+        return Batch(
+            lease_id=reply.lease_id,
+            trajectories=[trajectory_from_proto(t) for t in reply.trajectories],
+            policy_version=reply.policy_version,
+        )
+
+    def release(self, job_id: str, lease_id: str) -> int:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id)
+        return self._stub.Release(req, timeout=self.deadline_s).released
+
+    def publish_version(self, job_id: str, policy_version: int) -> None:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.PublishVersionRequest(job_id=job_id, policy_version=policy_version)
+        self._stub.PublishVersion(req, timeout=self.deadline_s)
+
+    def stats(self, job_id: str) -> BufferStats:
+        from reflow.v1 import common_pb2
+
+        m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        return BufferStats(
+            unused_samples=m.unused_samples,
+            leased_samples=m.leased_samples,
+            policy_version=m.policy_version,
+            put_total=m.put_total,
+            trained_total=m.trained_total,
+            expired_leases_total=m.expired_leases_total,
+            outstanding_leases=m.outstanding_leases,
+        )
+
+    def close(self) -> None:
+        self._channel.close()

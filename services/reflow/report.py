@@ -1,0 +1,64 @@
+"""Run artefacts: `summary.json` and `report.png` from a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]:
+    """Headline numbers of a run. `reward_gain` compares the mean reward of the
+    last `window` steps with that of the first `window`."""
+    if not records:
+        return {"steps": 0}
+    rewards = [r["reward_mean"] for r in records]
+    first, last = rewards[:window], rewards[-window:]
+    return {
+        "steps": records[-1]["step"],
+        "policy_version": records[-1]["policy_version"],
+        "wall_time_s": records[-1]["wall_time_s"],
+        "trained_tokens": sum(r["trained_tokens"] for r in records),
+        "reward_first_mean": _mean(first),
+        "reward_last_mean": _mean(last),
+        "reward_gain": _mean(last) - _mean(first),
+        "trainer_tokens_per_s_mean": _mean([r["trainer_tokens_per_s"] for r in records]),
+        "step_time_s_mean": _mean([r["step_time_s"] for r in records]),
+        "trainer_idle_ratio_mean": _mean([r["trainer_idle_ratio"] for r in records]),
+        "rollout_idle_ratio_mean": _mean([r["rollout_idle_ratio"] for r in records]),
+        "max_staleness": max(r["max_staleness"] for r in records),
+    }
+
+
+def plot(records: list[dict[str, Any]], out: str | Path, title: str = "") -> None:
+    """Reward and trainer throughput against wall-clock time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["wall_time_s"] for r in records]
+    fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax_r.plot(t, [r["reward_mean"] for r in records], color="tab:blue")
+    ax_r.set_ylabel("reward (batch mean)")
+    ax_r.grid(alpha=0.3)
+    ax_t.plot(t, [r["trainer_tokens_per_s"] for r in records], color="tab:green")
+    ax_t.set_ylabel("trainer tokens/s")
+    ax_t.set_xlabel("wall-clock time (s)")
+    ax_t.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,76 @@
+"""How the trainer and scheduler reach a rollout worker (gRPC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reflow.rollout.engine import WeightSyncSpec
+
+
+@dataclass
+class RolloutStats:
+    generated_tokens_total: int
+    finished_samples_total: int
+    idle_seconds_total: float
+    inflight_samples: int
+    policy_version: int
+    state: str
+    error: str
+
+
+class GrpcRolloutClient:
+    def __init__(self, address: str, deadline_s: float = 30.0) -> None:
+        from reflow import rpc
+        from reflow.v1 import rollout_pb2_grpc
+
+        self.address = address
+        self.deadline_s = deadline_s
+        self._channel = rpc.channel(address)
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+
+    def start_job(self, job_id: str, spec_json: str, replay_address: str) -> None:
+        from reflow.v1 import common_pb2
+
+        req = common_pb2.StartJobRequest(
+            job_id=job_id, spec_json=spec_json, replay_address=replay_address
+        )
+        self._stub.StartJob(req, timeout=self.deadline_s)
+
+    def stop_job(self, job_id: str, deadline_s: float = 60.0) -> None:
+        from reflow.v1 import common_pb2
+
+        self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s)
+
+    def init_weight_sync(self, job_id: str, spec: WeightSyncSpec, deadline_s: float = 600.0) -> None:
+        from reflow.v1 import rollout_pb2
+
+        req = rollout_pb2.InitWeightSyncRequest(
+            job_id=job_id,
+            master_address=spec.master_address,
+            master_port=spec.master_port,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            backend=spec.backend,
+            tensors=[rollout_pb2.TensorMeta(name=n, shape=s, dtype=d) for n, s, d in spec.tensors],
+            bucket_bytes=spec.bucket_bytes,
+        )
+        # Covers the engine start (tens of seconds) that the call waits for.
+        self._stub.InitWeightSync(req, timeout=deadline_s)
+
+    def update_weights(self, job_id: str, policy_version: int, deadline_s: float = 300.0) -> float:
+        from reflow.v1 import rollout_pb2
+
+        req = rollout_pb2.UpdateWeightsRequest(job_id=job_id, policy_version=policy_version)
+        return self._stub.UpdateWeights(req, timeout=deadline_s).receive_s
+
+    def stats(self, job_id: str) -> RolloutStats:
+        from reflow.v1 import common_pb2
+
+        m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        return RolloutStats(
+            m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
+            m.inflight_samples, m.policy_version, m.state, m.error,
+        )
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,80 @@
+"""gRPC transport for the rollout service."""
+
+from __future__ import annotations
+
+import grpc
+
+from reflow import rpc
+from reflow.core.config import JobSpec
+from reflow.rollout.engine import WeightSyncSpec
+from reflow.rollout.service import RolloutService
+from reflow.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+
+    def StartJob(self, request, context):
+        try:
+            spec = JobSpec.model_validate_json(request.spec_json)
+            self.service.start_job(request.job_id, spec, request.replay_address)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
+    def StopJob(self, request, context):
+        try:
+            self.service.stop_job(request.job_id)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
+    def InitWeightSync(self, request, context):
+        spec = WeightSyncSpec(
+            master_address=request.master_address,
+            master_port=request.master_port,
+            rank=request.rank,
+            world_size=request.world_size,
+            backend=request.backend,
+            tensors=[(t.name, list(t.shape), t.dtype) for t in request.tensors],
+            bucket_bytes=request.bucket_bytes,
+        )
+        try:
+            self.service.init_weight_sync(request.job_id, spec)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
+    def UpdateWeights(self, request, context):
+        try:
+            pause_s, receive_s = self.service.update_weights(request.job_id, request.policy_version)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return rollout_pb2.UpdateWeightsReply(
+            policy_version=request.policy_version, pause_s=pause_s, receive_s=receive_s
+        )
+
+    def GetStats(self, request, context):
+        try:
+            counters, idle_s, state, error = self.service.stats(request.job_id)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return rollout_pb2.RolloutStats(
+            generated_tokens_total=counters.generated_tokens_total,
+            finished_samples_total=counters.finished_samples_total,
+            idle_seconds_total=idle_s,
+            inflight_samples=counters.inflight_samples,
+            policy_version=counters.policy_version,
+            state=state,
+            error=error,
+        )
+
+
+def serve(service: RolloutService, address: str) -> tuple[grpc.Server, int]:
+    servicer = RolloutServicer(service)
+    return rpc.make_server(
+        "reflow.v1.Rollout",
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        address,
+    )

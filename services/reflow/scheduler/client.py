@@ -1,0 +1,77 @@
+"""How the API and the CLI reach the scheduler (gRPC)."""
+
+from __future__ import annotations
+
+import functools
+
+import grpc
+
+from reflow.core.errors import InvalidArgument, NotFound, Unavailable
+from reflow.scheduler.jobs import JobRecord
+
+
+def _translate(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as err:
+            code, details = err.code(), err.details()
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(details) from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(details) from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(f"scheduler unavailable: {details}") from None
+            raise
+    return wrapper
+
+
+def _from_proto(m) -> JobRecord:
+    return JobRecord(
+        job_id=m.job_id, name=m.name, spec_json="", phase=m.phase, reason=m.reason,
+        step=m.step, num_steps=m.num_steps, policy_version=m.policy_version,
+        reward_mean=m.reward_mean, trainer_tokens_per_s=m.trainer_tokens_per_s,
+        created_at=m.created_at, started_at=m.started_at, finished_at=m.finished_at,
+        run_dir=m.run_dir,
+    )
+
+
+class GrpcSchedulerClient:
+    def __init__(self, address: str, deadline_s: float = 30.0) -> None:
+        from reflow import rpc
+        from reflow.v1 import scheduler_pb2_grpc
+
+        self.address = address
+        self.deadline_s = deadline_s
+        self._channel = rpc.channel(address)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    @_translate
+    def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> JobRecord:
+        from reflow.v1 import scheduler_pb2
+
+        req = scheduler_pb2.SubmitJobRequest(job_id=job_id, spec_json=spec_json, run_dir=run_dir)
+        return _from_proto(self._stub.SubmitJob(req, timeout=self.deadline_s))
+
+    @_translate
+    def get(self, job_id: str) -> JobRecord:
+        from reflow.v1 import common_pb2
+
+        return _from_proto(self._stub.GetJob(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s))
+
+    @_translate
+    def stop(self, job_id: str, deadline_s: float = 90.0) -> JobRecord:
+        from reflow.v1 import common_pb2
+
+        return _from_proto(self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s))
+
+    @_translate
+    def list(self, limit: int = 100) -> list[JobRecord]:
+        from reflow.v1 import scheduler_pb2
+
+        reply = self._stub.ListJobs(scheduler_pb2.ListJobsRequest(limit=limit), timeout=self.deadline_s)
+        return [_from_proto(m) for m in reply.jobs]
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,58 @@
+"""gRPC transport for the scheduler."""
+
+from __future__ import annotations
+
+import grpc
+
+from reflow import rpc
+from reflow.scheduler.jobs import JobRecord
+from reflow.scheduler.service import Scheduler
+from reflow.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def record_to_proto(r: JobRecord) -> scheduler_pb2.JobStatus:
+    return scheduler_pb2.JobStatus(
+        job_id=r.job_id, phase=r.phase, reason=r.reason, step=r.step, num_steps=r.num_steps,
+        policy_version=r.policy_version, reward_mean=r.reward_mean,
+        trainer_tokens_per_s=r.trainer_tokens_per_s, created_at=r.created_at,
+        started_at=r.started_at, finished_at=r.finished_at, run_dir=r.run_dir, name=r.name,
+    )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def SubmitJob(self, request, context):
+        try:
+            record = self.scheduler.submit(request.spec_json, request.job_id, request.run_dir)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return record_to_proto(record)
+
+    def GetJob(self, request, context):
+        try:
+            return record_to_proto(self.scheduler.get(request.job_id))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
+    def StopJob(self, request, context):
+        try:
+            return record_to_proto(self.scheduler.stop(request.job_id))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
+    def ListJobs(self, request, context):
+        limit = request.limit or 100
+        return scheduler_pb2.ListJobsReply(
+            jobs=[record_to_proto(r) for r in self.scheduler.list(limit)]
+        )
+
+
+def serve(scheduler: Scheduler, address: str) -> tuple[grpc.Server, int]:
+    servicer = SchedulerServicer(scheduler)
+    return rpc.make_server(
+        "reflow.v1.Scheduler",
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
+        address,
+    )

@@ -1,0 +1,98 @@
+"""`reflow serve SERVICE`: build one service from the environment, serve it,
+and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
+
+Environment: REDIS_URL (replay, scheduler; an embedded Redis starts when it
+is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
+(scheduler), REFLOW_SCHEDULER_ADDRESS (api).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+logger = logging.getLogger("reflow.serve")
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _redis_url() -> tuple[str, object | None]:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        return url, None
+    from reflow.replay.embedded import EmbeddedRedis
+
+    data_dir = Path(os.environ.get("REFLOW_DATA_DIR", ".reflow/redis"))
+    embedded = EmbeddedRedis(data_dir).start()
+    return embedded.url, embedded
+
+
+def serve_service(name: str, host: str, port: int) -> int:
+    address = f"{host}:{port}"
+    embedded = None
+    if name == "api":
+        return _serve_api(host, port)
+    if name == "replay":
+        from reflow.replay.server import serve
+        from reflow.replay.store import ReplayStore
+
+        url, embedded = _redis_url()
+        core = ReplayStore.from_url(url)
+        server, _ = serve(core, address)
+        shutdown = lambda: None  # noqa: E731 - all state is in Redis
+    elif name == "rollout":
+        from reflow.rollout.server import serve
+        from reflow.rollout.service import RolloutService
+
+        core = RolloutService()
+        server, _ = serve(core, address)
+        shutdown = core.shutdown
+    elif name == "trainer":
+        from reflow.trainer.server import serve
+        from reflow.trainer.service import TrainerService
+
+        core = TrainerService()
+        server, _ = serve(core, address)
+        shutdown = lambda: None  # noqa: E731 - the train thread dies with the process
+    elif name == "scheduler":
+        import redis
+
+        from reflow.scheduler.jobs import JobStore
+        from reflow.scheduler.local import LocalBackend
+        from reflow.scheduler.server import serve
+        from reflow.scheduler.service import Scheduler
+
+        url, embedded = _redis_url()
+        core = Scheduler(JobStore(redis.Redis.from_url(url)), LocalBackend(url),
+                         Path(os.environ.get("REFLOW_RUNS_DIR", "runs")))
+        core.recover()
+        server, _ = serve(core, address)
+        shutdown = core.shutdown
+    else:
+        raise SystemExit(f"unknown service {name!r}")
+    _wait_for_signal()
+    logger.info("%s: shutting down", name)
+    server.stop(grace=5).wait(10)
+    shutdown()
+    if embedded is not None:
+        embedded.stop()
+    return 0
+
+
+def _serve_api(host: str, port: int) -> int:
+    import uvicorn
+
+    from reflow.api.app import create_app
+    from reflow.scheduler.client import GrpcSchedulerClient
+
+    scheduler = GrpcSchedulerClient(os.environ.get("REFLOW_SCHEDULER_ADDRESS", "127.0.0.1:50051"))
+    uvicorn.run(create_app(scheduler), host=host, port=port or 8000, log_level="warning")
+    return 0

@@ -1,0 +1,53 @@
+"""How the scheduler reaches a trainer (gRPC)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainerStatus:
+    job_id: str
+    state: str
+    step: int
+    policy_version: int
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+class GrpcTrainerClient:
+    def __init__(self, address: str, deadline_s: float = 30.0) -> None:
+        from reflow import rpc
+        from reflow.v1 import trainer_pb2_grpc
+
+        self.address = address
+        self.deadline_s = deadline_s
+        self._channel = rpc.channel(address)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def start_job(self, job_id: str, spec_json: str, replay_address: str,
+                  rollout_addresses: list[str], run_dir: str = "") -> None:
+        from reflow.v1 import common_pb2
+
+        req = common_pb2.StartJobRequest(
+            job_id=job_id, spec_json=spec_json, replay_address=replay_address,
+            rollout_addresses=rollout_addresses, run_dir=run_dir,
+        )
+        self._stub.StartJob(req, timeout=self.deadline_s)
+
+    def stop_job(self, job_id: str, deadline_s: float = 60.0) -> None:
+        from reflow.v1 import common_pb2
+
+        self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s)
+
+    def status(self, job_id: str = "") -> TrainerStatus:
+        from reflow.v1 import common_pb2
+
+        m = self._stub.GetStatus(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        return TrainerStatus(m.job_id, m.state, m.step, m.policy_version,
+                             json.loads(m.last_metrics_json or "{}"), m.error)
+
+    def close(self) -> None:
+        self._channel.close()

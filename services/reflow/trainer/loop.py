@@ -1,0 +1,280 @@
+"""The training loop (paper §4.1 steps 3-4).
+
+Each step: lease a batch from the replay buffer, take one optimiser step on
+the clipped-ratio GRPO loss, release the lease, and every `sync_interval`
+steps publish a new policy version (weights to every rollout worker over
+torch.distributed, then the version to the buffer). One metrics record per
+step goes to `metrics.jsonl` and to the status the scheduler polls.
+
+The loop reaches the buffer and the rollout workers only through their
+clients; it never sees gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reflow.core.config import JobSpec
+from reflow.core.types import Batch, Trajectory
+from reflow.procs import free_port
+from reflow.replay.client import ReplayClient
+from reflow.rollout.engine import WeightSyncSpec
+from reflow.trainer.loss import grpo_token_loss, token_logprobs
+from reflow.weightsync import DEFAULT_BUCKET_BYTES, make_group, send_weights, specs_of
+
+logger = logging.getLogger(__name__)
+
+
+class JobStopped(Exception):
+    """The job was asked to stop."""
+
+
+@dataclass
+class TensorBatch:
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    old_logprobs: torch.Tensor  # [B, T-1], aligned with targets input_ids[:, 1:]
+    loss_mask: torch.Tensor  # [B, T-1]
+    advantages: torch.Tensor  # [B]
+
+
+def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -> TensorBatch:
+    """Right-pad prompt+response sequences; logprobs and masks are placed on the
+    positions that predict each response token."""
+    length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    n = len(trajectories)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, length), dtype=torch.long)
+    old = torch.zeros((n, length - 1), dtype=torch.float32)
+    mask = torch.zeros((n, length - 1), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        attention[i, : p + r] = 1
+        # Position j predicts token j+1, so response token k sits at p-1+k.
+        old[i, p - 1 : p - 1 + r] = torch.tensor(t.logprobs)
+        mask[i, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
+    return TensorBatch(
+        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device)
+    )
+
+
+class TrainLoop:
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        replay: ReplayClient,
+        rollouts: list[Any],
+        run_dir: str | None = None,
+        device: torch.device | None = None,
+        master_address: str = "127.0.0.1",
+    ) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.replay = replay
+        self.rollouts = rollouts
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.master_address = master_address
+        self.step = 0
+        self.policy_version = 0
+        self.last_metrics: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._sync_group = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(rollouts)), thread_name_prefix="wsync")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- set-up ----------------------------------------------------------------
+
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(self.spec.seed)
+        dtype = getattr(torch, self.spec.model.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=dtype)
+        self.model.to(self.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.spec.trainer.learning_rate,
+            weight_decay=self.spec.trainer.weight_decay,
+        )
+        self.pad_id = self.tokenizer.pad_token_id or 0
+
+    def init_weight_sync(self) -> None:
+        """Build the broadcast group: trainer rank 0, rollout worker i rank i+1."""
+        named = self._named_weights()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        port = free_port()
+        world = 1 + len(self.rollouts)
+        tensors = [(s.name, list(s.shape), s.dtype) for s in specs_of(named)]
+        futures = [
+            self._pool.submit(
+                client.init_weight_sync,
+                self.job_id,
+                WeightSyncSpec(self.master_address, port, i + 1, world, backend, tensors,
+                               DEFAULT_BUCKET_BYTES),
+            )
+            for i, client in enumerate(self.rollouts)
+        ]
+        self._sync_group = make_group(self.master_address, port, 0, world, backend)
+        for f in futures:
+            f.result()
+        logger.info("job %s: weight sync group ready (%s, %d ranks)", self.job_id, backend, world)
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        # named_parameters() lists a tied lm_head once, under the embedding's name,
+        # which is what the engines' checkpoint loaders expect.
+        return [(n, p) for n, p in self.model.named_parameters()]
+
+    # --- the loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        start = time.monotonic()
+        rollout_idle_before = self._rollout_idle_total()
+        while self.step < self.spec.trainer.num_steps:
+            if self._stop.is_set():
+                raise JobStopped()
+            step_start = time.monotonic()
+            # 1. Wait for a batch; the wait is the trainer's idle time.
+            batch = self._lease_batch()
+            wait_s = time.monotonic() - step_start
+            # 2. Optimise.
+            stats = self._train_step(batch)
+            # 3. Release: the samples are trained.
+            self.replay.release(self.job_id, batch.lease_id)
+            self.step += 1
+            # 4. Publish a new policy version every sync_interval steps.
+            sync_s = 0.0
+            if self.step % self.spec.trainer.sync_interval == 0:
+                sync_s = self._publish()
+            step_s = time.monotonic() - step_start
+            rollout_idle_now = self._rollout_idle_total()
+            record = self._metrics(batch, stats, wait_s, sync_s, step_s,
+                                   rollout_idle_now - rollout_idle_before, time.monotonic() - start)
+            rollout_idle_before = rollout_idle_now
+            self._emit(record)
+
+    def _lease_batch(self) -> Batch:
+        deadline = time.monotonic() + self.spec.trainer.batch_timeout_s
+        while not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"no batch of {self.spec.trainer.batch_size} samples within "
+                    f"trainer.batch_timeout_s={self.spec.trainer.batch_timeout_s:.0f}s"
+                )
+            batch = self.replay.sample(
+                self.job_id, self.spec.trainer.batch_size, self.spec.replay.lease_ttl_s,
+                timeout_s=min(remaining, 5.0),
+            )
+            if batch is not None:
+                return batch
+            self._check_rollouts()
+        raise JobStopped()
+
+    def _check_rollouts(self) -> None:
+        for client in self.rollouts:
+            stats = client.stats(self.job_id)
+            if stats.state == "failed":
+                raise RuntimeError(f"rollout worker {client.address} failed: {stats.error}")
+
+    def _train_step(self, batch: Batch):
+        tb = collate(batch.trajectories, self.pad_id, self.device)
+        logits = self.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits
+        # The engine sampled from softmax(logits / T); score under the same law.
+        logits = logits[:, :-1] / self.spec.rollout.temperature
+        new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
+        loss, stats = grpo_token_loss(
+            new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask, self.spec.trainer.clip_eps
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.spec.trainer.max_grad_norm
+        )
+        self.optimizer.step()
+        return stats, float(grad_norm)
+
+    def _publish(self) -> float:
+        """Send the weights to every rollout worker as version v+1, then tell the buffer."""
+        t0 = time.monotonic()
+        version = self.policy_version + 1
+        futures = [
+            self._pool.submit(client.update_weights, self.job_id, version)
+            for client in self.rollouts
+        ]
+        with torch.no_grad():
+            send_weights(self._sync_group, self._named_weights())
+        for f in futures:
+            f.result()
+        self.policy_version = version
+        self.replay.publish_version(self.job_id, version)
+        return time.monotonic() - t0
+
+    def _rollout_idle_total(self) -> float:
+        return sum(c.stats(self.job_id).idle_seconds_total for c in self.rollouts)
+
+    def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, step_s: float,
+                 rollout_idle_s: float, wall_s: float) -> dict[str, Any]:
+        loss_stats, grad_norm = stats
+        trajs = batch.trajectories
+        trained_tokens = sum(t.num_tokens for t in trajs)
+        # Staleness is measured against the version the batch was trained under.
+        trained_version = self.policy_version - (1 if sync_s else 0)
+        staleness = [trained_version - t.oldest_version for t in trajs]
+        num_workers = max(1, len(self.rollouts))
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "trained_tokens": trained_tokens,
+            "step_time_s": step_s,
+            "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
+            "trainer_idle_ratio": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
+            "rollout_idle_ratio": min(1.0, rollout_idle_s / (step_s * num_workers)) if step_s > 0 else 0.0,
+            "fresh_samples": sum(1 for s in staleness if s == 0),
+            "stale_samples": sum(1 for s in staleness if s > 0),
+            "replay_samples": 0,
+            "max_staleness": max(staleness),
+            "wall_time_s": wall_s,
+            "batch_wait_s": wait_s,
+            "weight_sync_s": sync_s,
+            "loss": loss_stats.loss,
+            "clip_fraction": loss_stats.clip_fraction,
+            "approx_kl": loss_stats.approx_kl,
+            "grad_norm": grad_norm,
+            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        }
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.last_metrics = record
+        logger.info(
+            "job %s step %d v%d reward %.3f tokens/s %.0f idle %.2f",
+            self.job_id, record["step"], record["policy_version"], record["reward_mean"],
+            record["trainer_tokens_per_s"], record["trainer_idle_ratio"],
+        )
+        if self.run_dir is not None:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save(self, path: Path) -> None:
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,53 @@
+"""gRPC transport for the trainer service."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from reflow import rpc
+from reflow.core.config import JobSpec
+from reflow.trainer.service import TrainerService
+from reflow.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, service: TrainerService) -> None:
+        self.service = service
+
+    def StartJob(self, request, context):
+        try:
+            spec = JobSpec.model_validate_json(request.spec_json)
+            self.service.start_job(request.job_id, spec, request.replay_address,
+                                   list(request.rollout_addresses), request.run_dir)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
+    def StopJob(self, request, context):
+        try:
+            self.service.stop_job(request.job_id)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
+    def GetStatus(self, request, context):
+        try:
+            s = self.service.status(request.job_id)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return trainer_pb2.TrainerStatus(
+            job_id=s["job_id"], state=s["state"], step=s["step"],
+            policy_version=s["policy_version"],
+            last_metrics_json=json.dumps(s["last_metrics"]), error=s["error"],
+        )
+
+
+def serve(service: TrainerService, address: str) -> tuple[grpc.Server, int]:
+    servicer = TrainerServicer(service)
+    return rpc.make_server(
+        "reflow.v1.Trainer",
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
+        address,
+    )

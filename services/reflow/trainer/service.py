@@ -1,0 +1,87 @@
+"""The trainer service's core: runs one job's `TrainLoop` on a thread and
+reports its state. Transport lives in `server.py`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from reflow.core.config import JobSpec
+from reflow.replay.client import GrpcReplayClient
+from reflow.rollout.client import GrpcRolloutClient
+from reflow.trainer.loop import JobStopped, TrainLoop
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerService:
+    def __init__(self, replay_client_factory=GrpcReplayClient,
+                 rollout_client_factory=GrpcRolloutClient) -> None:
+        self._replay_client_factory = replay_client_factory
+        self._rollout_client_factory = rollout_client_factory
+        self._lock = threading.Lock()
+        self.job_id = ""
+        self.state = "idle"
+        self.error = ""
+        self.loop: TrainLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start_job(self, job_id: str, spec: JobSpec, replay_address: str,
+                  rollout_addresses: list[str], run_dir: str) -> None:
+        with self._lock:
+            if self.state in ("starting", "running"):
+                if self.job_id == job_id:
+                    return
+                raise ValueError(f"this trainer already runs job {self.job_id}")
+            if not rollout_addresses:
+                raise ValueError("rollout_addresses: at least one rollout worker is required")
+            self.job_id, self.state, self.error = job_id, "starting", ""
+            replay = self._replay_client_factory(replay_address)
+            rollouts = [self._rollout_client_factory(a) for a in rollout_addresses]
+            self.loop = TrainLoop(
+                job_id, spec, replay, rollouts, run_dir=run_dir or None,
+                master_address=os.environ.get("REFLOW_POD_IP", "127.0.0.1"),
+            )
+            self._thread = threading.Thread(target=self._run, name="train-loop", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        loop = self.loop
+        assert loop is not None
+        try:
+            loop.load()
+            loop.init_weight_sync()
+            self.state = "running"
+            loop.run()
+            if loop.run_dir is not None:
+                loop.save(Path(loop.run_dir) / "checkpoint")
+            self.state = "succeeded"
+        except JobStopped:
+            self.state = "stopped"
+        except Exception as err:  # noqa: BLE001 - reported through GetStatus
+            logger.exception("job %s: training failed", self.job_id)
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+        finally:
+            loop.close()
+
+    def stop_job(self, job_id: str) -> None:
+        if job_id != self.job_id or self.loop is None:
+            raise KeyError(f"job {job_id!r} does not run on this trainer")
+        self.loop.stop()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def status(self, job_id: str) -> dict:
+        if job_id and job_id != self.job_id:
+            raise KeyError(f"job {job_id!r} does not run on this trainer")
+        loop = self.loop
+        return {
+            "job_id": self.job_id,
+            "state": self.state,
+            "step": loop.step if loop else 0,
+            "policy_version": loop.policy_version if loop else 0,
+            "last_metrics": loop.last_metrics if loop else {},
+            "error": self.error,
+        }

@@ -1,0 +1,1 @@
+"""Generated gRPC code; see reflow.protogen."""

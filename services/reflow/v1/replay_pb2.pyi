@@ -1,0 +1,84 @@
+from reflow.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutRequest(_message.Message):
+    __slots__ = ("job_id", "trajectories")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_common_pb2.Trajectory]
+    def __init__(self, job_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ...) -> None: ...
+
+class PutReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("job_id", "batch_size", "lease_ttl_s", "timeout_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    batch_size: int
+    lease_ttl_s: float
+    timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SampleReply(_message.Message):
+    __slots__ = ("lease_id", "trajectories", "policy_version")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_common_pb2.Trajectory]
+    policy_version: int
+    def __init__(self, lease_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("job_id", "lease_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_id: str
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class PublishVersionRequest(_message.Message):
+    __slots__ = ("job_id", "policy_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    policy_version: int
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class BufferStats(_message.Message):
+    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases")
+    UNUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_LEASES_FIELD_NUMBER: _ClassVar[int]
+    unused_samples: int
+    leased_samples: int
+    policy_version: int
+    put_total: int
+    trained_total: int
+    expired_leases_total: int
+    outstanding_leases: int
+    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ...) -> None: ...

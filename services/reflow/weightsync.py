@@ -1,0 +1,193 @@
+"""Weight synchronisation over torch.distributed (paper §4.1 step 4).
+
+The trainer (rank 0) broadcasts its parameters to every rollout engine in
+flat buckets; each engine slices the buckets back into named tensors and
+reloads them in place. The same code runs on gloo (CPU) and NCCL (GPU); the
+backend is chosen by device.
+
+Each side builds a private process group from its own TCPStore instead of
+the global default group, so the trainer's own data-parallel group (and
+vLLM's) are untouched. Tensors never travel through RPC arguments: only the
+metadata (names, shapes, dtypes) does, once, when the group is built.
+
+The worker-side functions run inside the vLLM worker process through
+`collective_rpc`; they take the worker as `self` and keep their state on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+_STORE_PREFIX = "reflow-wsync"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
+def specs_of(named: list[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named]
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+    """Split tensors into buckets of one dtype and at most `bucket_bytes` each
+    (a tensor larger than a bucket gets a bucket of its own). Both sides call
+    this with the same inputs, so they agree on the layout without talking."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    buckets: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if current and (size + spec.nbytes > bucket_bytes or spec.dtype != current[0].dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += spec.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class SyncGroup:
+    """A private process group and the store it was built on (kept alive with it)."""
+
+    group: dist.ProcessGroup
+    store: dist.Store
+
+
+def make_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float = 600.0,
+) -> SyncGroup:
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    else:
+        raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
+    return SyncGroup(group, store)
+
+
+def _broadcast(group: SyncGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.group.broadcast([tensor], opts).wait()
+
+
+def send_weights(
+    group: SyncGroup,
+    named: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    device: torch.device | None = None,
+) -> int:
+    """Rank 0: broadcast `named` tensors bucket by bucket. Returns bytes sent."""
+    by_name = dict(named)
+    sent = 0
+    for bucket in plan_buckets(specs_of(named), bucket_bytes):
+        flat = torch.cat([by_name[s.name].detach().reshape(-1) for s in bucket])
+        if device is not None:
+            flat = flat.to(device)
+        _broadcast(group, flat)
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive_weights(
+    group: SyncGroup,
+    specs: list[TensorSpec],
+    bucket_bytes: int,
+    device: torch.device,
+):
+    """Rank > 0: receive every bucket and yield (name, tensor) views into it."""
+    for bucket in plan_buckets(specs, bucket_bytes):
+        flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].torch_dtype, device=device)
+        _broadcast(group, flat)
+        offset = 0
+        for spec in bucket:
+            yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)
+            offset += spec.numel
+
+
+# --- functions run inside the vLLM worker via collective_rpc -----------------
+
+
+def worker_init_weight_sync(
+    self,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    specs: list[tuple[str, list[int], str]],
+    bucket_bytes: int,
+) -> bool:
+    self._reflow_wsync = {
+        "group": make_group(master_address, master_port, rank, world_size, backend),
+        "specs": [TensorSpec(n, tuple(s), d) for n, s, d in specs],
+        "bucket_bytes": bucket_bytes,
+    }
+    return True
+
+
+def worker_receive_weights(self) -> float:
+    """Receive one broadcast and reload the model in place; returns seconds taken."""
+    state = getattr(self, "_reflow_wsync", None)
+    if state is None:
+        raise RuntimeError("weight sync used before worker_init_weight_sync")
+    start = time.perf_counter()
+    device = next(self.model_runner.get_model().parameters()).device
+    weights = receive_weights(state["group"], state["specs"], state["bucket_bytes"], device)
+    # reload_weights consumes the iterator, so buckets are received as it loads.
+    self.model_runner.reload_weights(weights_iterator=weights)
+    _refresh_tied_lm_head(self.model_runner.get_model(), state["specs"])
+    return time.perf_counter() - start
+
+
+def _refresh_tied_lm_head(model, specs: list[TensorSpec]) -> None:
+    """With tied embeddings the checkpoint has no lm_head weight, so the in-place
+    reload never re-processes the lm_head layer. On CPU that layer keeps a GEMM
+    handle packed from the *old* embedding at load time; re-run its post-load
+    step so logits use the new weights. (On GPU the step is a no-op.)"""
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if method is None or any(s.name == "lm_head.weight" for s in specs):
+        return
+    method.process_weights_after_loading(lm_head)

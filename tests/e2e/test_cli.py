@@ -1,0 +1,122 @@
+"""The `reflow` CLI as a user runs it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+SERVICES = ("api", "scheduler", "replay", "rollout", "trainer")
+REQUIRED_KEYS = {"step", "policy_version", "reward_mean", "trained_tokens", "step_time_s",
+                 "trainer_tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio",
+                 "fresh_samples", "replay_samples", "max_staleness", "wall_time_s"}
+
+
+def reflow(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "reflow.cli", *args], capture_output=True,
+                          text=True, cwd=REPO, **kwargs)
+
+
+def _services_running(proc: psutil.Process) -> dict[str, int]:
+    found = {}
+    for child in proc.children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if "serve" in cmd:
+            found[cmd[cmd.index("serve") + 1]] = child.pid
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_malformed_spec_is_rejected_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: /m}\ntrainer: {batch_size: -8, learning_rat: 0.1}\n")
+    result = reflow("run", str(bad))
+    assert result.returncode == 2
+    assert "trainer.batch_size" in result.stderr
+    assert "trainer.learning_rat: unknown field" in result.stderr
+
+
+def test_dry_run_prints_the_resolved_config():
+    result = reflow("run", str(QUICKSTART), "--dry-run", "trainer.num_steps=7")
+    assert result.returncode == 0, result.stderr
+    assert "num_steps: 7" in result.stdout and "replay:" in result.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
+         "trainer.num_steps=4", f"model.path={tiny_model}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    cli = psutil.Process(proc.pid)
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(_services_running(cli))
+        time.sleep(0.5)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    # Every service ran as its own process, with its own pid.
+    assert set(seen) == set(SERVICES), seen
+    assert len(set(seen.values())) == 5
+    assert not [pid for pid in seen.values() if _alive(pid)]
+
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert REQUIRED_KEYS <= set(r)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phase"] == "SUCCEEDED" and summary["steps"] == 4
+    assert (out / "report.png").stat().st_size > 10_000
+    assert "num_steps: 4" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["cli", "process-group"])
+def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model, target):
+    """`cli`: SIGINT to the reflow process alone (kill -INT). `process-group`: what a
+    terminal's Ctrl-C does, SIGINT to every process of the foreground group at once."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
+         "trainer.num_steps=10000", f"model.path={tiny_model}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    cli = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.5)
+    descendants = [p.pid for p in cli.children(recursive=True)]
+    assert len(descendants) >= 6  # redis, five services, vLLM's engine core
+    if target == "cli":
+        os.kill(proc.pid, signal.SIGINT)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert "interrupted" in output
+    leftovers = [pid for pid in descendants if _alive(pid)]
+    assert not leftovers, [psutil.Process(p).cmdline() for p in leftovers]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phase"] == "STOPPED"

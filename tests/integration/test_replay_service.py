@@ -1,0 +1,116 @@
+"""The replay buffer over real gRPC on loopback, backed by a real Redis."""
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from reflow.core.types import Segment, Trajectory
+from reflow.replay.client import GrpcReplayClient
+from reflow.replay.server import serve
+from reflow.replay.store import ReplayStore
+
+
+def make_group(group_id: str, size: int = 4, version: int = 0) -> list[Trajectory]:
+    return [
+        Trajectory(f"{group_id}-{i}", group_id, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [1, 1, 1],
+                   [Segment(version, 3)], reward=float(i), advantage=float(i) - 1.5)
+        for i in range(size)
+    ]
+
+
+@pytest.fixture
+def buffer(redis_server, redis_client):
+    server, port = serve(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
+    client = GrpcReplayClient(f"127.0.0.1:{port}")
+    yield client, port
+    client.close()
+    server.stop(0)
+
+
+def test_health_service_reports_serving(buffer):
+    _, port = buffer
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="reflow.v1.ReplayBuffer"), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_put_sample_release_round_trip(buffer):
+    client, _ = buffer
+    assert client.put("job", make_group("g1") + make_group("g2")) == 8
+    assert client.put("job", make_group("g1")) == 0  # a retried put is a no-op
+    batch = client.sample("job", batch_size=8, lease_ttl_s=30, timeout_s=1)
+    assert batch is not None and len(batch.trajectories) == 8
+    assert {t.group_id for t in batch.trajectories} == {"g1", "g2"}
+    t = next(t for t in batch.trajectories if t.sample_id == "g1-2")
+    assert t.response_ids == [3, 4, 5] and t.reward == 2.0 and t.segments == [Segment(0, 3)]
+    stats = client.stats("job")
+    assert (stats.unused_samples, stats.leased_samples, stats.outstanding_leases) == (0, 8, 1)
+    assert client.release("job", batch.lease_id) == 8
+    assert client.release("job", batch.lease_id) == 0  # idempotent
+    stats = client.stats("job")
+    assert (stats.put_total, stats.trained_total, stats.leased_samples) == (8, 8, 0)
+
+
+def test_sample_waits_for_a_full_batch_then_times_out(buffer):
+    client, _ = buffer
+    client.put("job", make_group("g1"))
+    start = time.monotonic()
+    assert client.sample("job", batch_size=8, lease_ttl_s=30, timeout_s=0.5) is None
+    assert time.monotonic() - start >= 0.45
+    # Nothing was taken by the failed attempt.
+    assert client.stats("job").unused_samples == 4
+
+
+def test_expired_lease_returns_its_samples_in_order(buffer):
+    client, _ = buffer
+    client.put("job", make_group("g1"))
+    client.put("job", make_group("g2"))
+    first = client.sample("job", batch_size=4, lease_ttl_s=0.3, timeout_s=1)
+    assert {t.group_id for t in first.trajectories} == {"g1"}
+    time.sleep(0.4)
+    again = client.sample("job", batch_size=4, lease_ttl_s=30, timeout_s=1)
+    # g1 came back at its original position, ahead of g2.
+    assert {t.group_id for t in again.trajectories} == {"g1"}
+    assert client.release("job", first.lease_id) == 0  # the expired lease is gone
+    assert client.stats("job").expired_leases_total == 1
+
+
+def test_jobs_are_isolated(buffer):
+    client, _ = buffer
+    client.put("a", make_group("g1"))
+    assert client.sample("b", batch_size=4, lease_ttl_s=30, timeout_s=0.1) is None
+    assert client.sample("a", batch_size=4, lease_ttl_s=30, timeout_s=0.1) is not None
+
+
+def test_buffer_restart_loses_nothing(redis_server, redis_client):
+    server, port = serve(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
+    client = GrpcReplayClient(f"127.0.0.1:{port}")
+    client.put("job", make_group("g1") + make_group("g2"))
+    leased = client.sample("job", batch_size=4, lease_ttl_s=0.5, timeout_s=1)
+    client.close()
+    server.stop(0)
+    # A new buffer process on the same Redis sees everything: the unused group and,
+    # once its lease expires, the leased one.
+    server, port = serve(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
+    client = GrpcReplayClient(f"127.0.0.1:{port}")
+    try:
+        time.sleep(0.6)
+        batch = client.sample("job", batch_size=8, lease_ttl_s=30, timeout_s=1)
+        assert batch is not None
+        assert sorted(t.sample_id for t in batch.trajectories) == sorted(
+            [f"g1-{i}" for i in range(4)] + [f"g2-{i}" for i in range(4)])
+        assert leased.lease_id != batch.lease_id
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_bad_arguments_are_invalid_argument(buffer):
+    client, _ = buffer
+    with pytest.raises(grpc.RpcError) as err:
+        client.sample("job", batch_size=0, lease_ttl_s=30, timeout_s=0.1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "batch_size" in err.value.details()

@@ -1,0 +1,42 @@
+"""HTTP-level validation of the API. The scheduler behind it is a recording
+stand-in here: these requests must be answered by the API alone."""
+
+from fastapi.testclient import TestClient
+
+from reflow.api.app import create_app
+from reflow.core.errors import NotFound
+from reflow.scheduler.jobs import JobRecord
+
+
+class RecordingScheduler:
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, spec_json, job_id="", run_dir=""):
+        self.submitted.append(spec_json)
+        return JobRecord(job_id="j1", name="x", spec_json=spec_json, num_steps=3)
+
+    def get(self, job_id):
+        raise NotFound(f"no job {job_id!r}")
+
+
+def test_malformed_specs_are_rejected_with_the_field_named():
+    sched = RecordingScheduler()
+    client = TestClient(create_app(sched))
+    r = client.post("/v1/jobs", json={"model": {"path": "/m"}, "trainer": {"batch_size": -1}})
+    assert r.status_code == 422
+    assert "trainer.batch_size" in r.json()["detail"]
+    r = client.post("/v1/jobs", json={"model": {"path": "/m"}, "trainer": {"typo": 1}})
+    assert r.status_code == 422
+    assert "trainer.typo: unknown field" in r.json()["detail"]
+    assert sched.submitted == []
+
+
+def test_valid_spec_reaches_the_scheduler_and_unknown_job_is_404():
+    sched = RecordingScheduler()
+    client = TestClient(create_app(sched))
+    r = client.post("/v1/jobs", json={"model": {"path": "/m"}, "trainer": {"num_steps": 3}})
+    assert r.status_code == 201 and r.json()["phase"] == "PENDING"
+    assert len(sched.submitted) == 1
+    assert client.get("/v1/jobs/nope").status_code == 404
+    assert client.get("/healthz").json() == {"status": "ok"}

@@ -1,0 +1,52 @@
+from pathlib import Path
+
+import pytest
+
+from reflow.core.config import JobSpecError, apply_overrides, load_job_spec, parse_job_spec
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def _minimal(**extra):
+    return {"model": {"path": "/models/x"}, **extra}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_config_validates(path):
+    spec = load_job_spec(path)
+    assert Path(spec.model.path).is_absolute()
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec(_minimal(trainer={"batch_sise": 8}))
+    assert "trainer.batch_sise" in str(err.value)
+    assert "unknown field" in str(err.value)
+
+
+def test_negative_batch_size_is_named_with_its_bound():
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec(_minimal(trainer={"batch_size": -4}))
+    assert "trainer.batch_size" in str(err.value)
+    assert "greater than or equal to 1" in str(err.value)
+
+
+def test_batch_must_hold_whole_groups():
+    with pytest.raises(JobSpecError) as err:
+        parse_job_spec(_minimal(trainer={"batch_size": 12}, rollout={"group_size": 8}))
+    assert "multiple of rollout.group_size" in str(err.value)
+
+
+def test_overrides_are_typed_and_at_most_two_deep():
+    data = apply_overrides(_minimal(), ["trainer.learning_rate=1e-4", "trainer.num_steps=7",
+                                        "model.build_if_missing=null", "name=abc"])
+    spec = parse_job_spec(data)
+    assert spec.trainer.learning_rate == pytest.approx(1e-4)
+    assert spec.trainer.num_steps == 7
+    assert spec.model.build_if_missing is None
+    assert spec.name == "abc"
+    with pytest.raises(JobSpecError, match="at most section.field"):
+        apply_overrides(_minimal(), ["a.b.c=1"])
+    with pytest.raises(JobSpecError, match="dotted.key=value"):
+        apply_overrides(_minimal(), ["trainer.num_steps"])

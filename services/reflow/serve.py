@@ -3,7 +3,8 @@ and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
 Environment: REDIS_URL (replay, scheduler; an embedded Redis starts when it
 is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
-(scheduler), REFLOW_SCHEDULER_ADDRESS (api).
+(scheduler), REFLOW_SCHEDULER_ADDRESS (api), REFLOW_METRICS_PORT (Prometheus
+/metrics of the replay buffer).
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def _redis_url() -> tuple[str, object | None]:
     return embedded.url, embedded
 
 
+def _start_metrics_server(registry) -> None:
+    """Prometheus /metrics on REFLOW_METRICS_PORT, when it is set."""
+    port = os.environ.get("REFLOW_METRICS_PORT")
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(int(port), registry=registry)
+        logger.info("metrics on :%s/metrics", port)
+
+
 def serve_service(name: str, host: str, port: int) -> int:
     address = f"{host}:{port}"
     embedded = None
@@ -44,9 +55,13 @@ def serve_service(name: str, host: str, port: int) -> int:
         from reflow.replay.server import serve
         from reflow.replay.store import ReplayStore
 
+        from reflow.replay.metrics import BufferMetrics
+
         url, embedded = _redis_url()
         core = ReplayStore.from_url(url)
-        server, _ = serve(core, address)
+        metrics = BufferMetrics(core)
+        _start_metrics_server(metrics.registry)
+        server, _ = serve(core, address, metrics)
         shutdown = lambda: None  # noqa: E731 - all state is in Redis
     elif name == "rollout":
         from reflow.rollout.server import serve
@@ -78,6 +93,9 @@ def serve_service(name: str, host: str, port: int) -> int:
         shutdown = core.shutdown
     else:
         raise SystemExit(f"unknown service {name!r}")
+    from reflow.procs import tune_gc
+
+    tune_gc()
     _wait_for_signal()
     logger.info("%s: shutting down", name)
     server.stop(grace=5).wait(10)

@@ -26,22 +26,25 @@ def trajectory_to_proto(t: Trajectory) -> common_pb2.Trajectory:
         advantage=t.advantage,
         finish_reason=t.finish_reason,
         created_at=t.created_at,
+        uses=t.uses,
     )
 
 
 def trajectory_from_proto(m: common_pb2.Trajectory) -> Trajectory:
+    # Slicing a repeated field copies it to a list faster than list() does.
     return Trajectory(
         sample_id=m.sample_id,
         group_id=m.group_id,
-        prompt_ids=list(m.prompt_ids),
-        response_ids=list(m.response_ids),
-        logprobs=list(m.logprobs),
-        loss_mask=list(m.loss_mask),
+        prompt_ids=m.prompt_ids[:],
+        response_ids=m.response_ids[:],
+        logprobs=m.logprobs[:],
+        loss_mask=m.loss_mask[:],
         segments=[Segment(s.policy_version, s.num_tokens) for s in m.segments],
         reward=m.reward,
         advantage=m.advantage,
         finish_reason=m.finish_reason,
         created_at=m.created_at,
+        uses=m.uses,
     )
 
 

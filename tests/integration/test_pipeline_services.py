@@ -58,7 +58,8 @@ def test_short_job_trains_and_syncs_weights_exactly(redis_server, redis_client, 
         assert [r["step"] for r in records] == [1, 2, 3]
         for r in records:
             assert r["trained_tokens"] > 0 and 0 <= r["trainer_idle_ratio"] <= 1
-            assert r["fresh_samples"] + r["stale_samples"] == 8
+            assert r["fresh_samples"] + r["stale_samples"] + r["replay_samples"] == 8
+            assert r["max_staleness"] <= spec.replay.max_staleness
 
         assert _wait(lambda: rollout.stats("it").policy_version == 3, 30, "version 3 on rollout")
         # Samples generated entirely under version 3 must carry the logprobs of the

@@ -52,6 +52,8 @@ def test_put_sample_release_round_trip(buffer):
     assert client.release("job", batch.lease_id) == 0  # idempotent
     stats = client.stats("job")
     assert (stats.put_total, stats.trained_total, stats.leased_samples) == (8, 8, 0)
+    # The default filter accepts everything back for replay.
+    assert (stats.replay_samples, stats.unused_samples) == (8, 0)
 
 
 def test_sample_waits_for_a_full_batch_then_times_out(buffer):
@@ -64,16 +66,16 @@ def test_sample_waits_for_a_full_batch_then_times_out(buffer):
     assert client.stats("job").unused_samples == 4
 
 
-def test_expired_lease_returns_its_samples_in_order(buffer):
+def test_expired_lease_returns_its_samples(buffer):
     client, _ = buffer
     client.put("job", make_group("g1"))
     client.put("job", make_group("g2"))
     first = client.sample("job", batch_size=4, lease_ttl_s=0.3, timeout_s=1)
-    assert {t.group_id for t in first.trajectories} == {"g1"}
     time.sleep(0.4)
-    again = client.sample("job", batch_size=4, lease_ttl_s=30, timeout_s=1)
-    # g1 came back at its original position, ahead of g2.
-    assert {t.group_id for t in again.trajectories} == {"g1"}
+    again = client.sample("job", batch_size=8, lease_ttl_s=30, timeout_s=1)
+    # The expired lease's group is unused again and can fill a full batch.
+    assert {t.group_id for t in again.trajectories} == {"g1", "g2"}
+    assert all(t.uses == 0 for t in again.trajectories)
     assert client.release("job", first.lease_id) == 0  # the expired lease is gone
     assert client.stats("job").expired_leases_total == 1
 
@@ -114,3 +116,28 @@ def test_bad_arguments_are_invalid_argument(buffer):
         client.sample("job", batch_size=0, lease_ttl_s=30, timeout_s=0.1)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "batch_size" in err.value.details()
+
+
+def test_prometheus_metrics_follow_the_buffer(redis_server, redis_client):
+    from prometheus_client import generate_latest
+
+    from reflow.replay.metrics import BufferMetrics
+
+    store = ReplayStore.from_url(redis_server.url)
+    metrics = BufferMetrics(store)
+    server, port = serve(store, "127.0.0.1:0", metrics)
+    client = GrpcReplayClient(f"127.0.0.1:{port}")
+    try:
+        client.put("job", make_group("g1") + make_group("g2"))
+        batch = client.sample("job", batch_size=4, lease_ttl_s=30, timeout_s=1)
+        client.release("job", batch.lease_id)
+        text = generate_latest(metrics.registry).decode()
+    finally:
+        client.close()
+        server.stop(0)
+    assert 'reflow_replay_pool_samples{job="job",pool="unused"} 4.0' in text
+    assert 'reflow_replay_pool_samples{job="job",pool="replay"} 4.0' in text
+    assert 'reflow_replay_batch_samples_total{job="job",kind="fresh"} 4.0' in text
+    assert 'reflow_replay_sample_staleness_versions_count{job="job"} 4.0' in text
+    assert 'reflow_replay_put_samples_total{job="job"} 8.0' in text
+    assert 'reflow_replay_evicted_samples_total{job="job"} 0.0' in text

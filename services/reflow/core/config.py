@@ -94,8 +94,47 @@ class TrainerConfig(_Section):
 
 
 class ReplayConfig(_Section):
-    """Replay buffer behaviour."""
+    """The dual replay data cycle (paper §4, Table 1)."""
 
+    replay_cap: float = Field(
+        default=0.5,
+        ge=0.0,
+        lt=1.0,
+        description="σ: the largest fraction of a batch that may be replayed samples; every "
+        "batch of size b holds at least ceil(b(1-σ)) unused samples. 0 disables replay.",
+    )
+    replay_weight: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="τ: loss weight of a replayed sample relative to an unused one, before "
+        "the batch's weights are normalised.",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        le=1_000_000,
+        description="δ: when version v is published, samples whose oldest segment is older "
+        "than v - δ leave the buffer.",
+    )
+    sampler: str = Field(
+        default="uniform",
+        min_length=1,
+        description="Which candidates a batch takes: uniform, medium_reward, or "
+        "package.module:Class.",
+    )
+    sampler_args: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Keyword arguments for the sampler."
+    )
+    replay_filter: str = Field(
+        default="accept_all",
+        min_length=1,
+        description="Which trained samples return for replay: accept_all, max_use_count, "
+        "non_zero_advantage, or package.module:Class.",
+    )
+    filter_args: dict[str, float | int | str] = Field(
+        default_factory=dict, description="Keyword arguments for the replay filter."
+    )
     lease_ttl_s: float = Field(
         default=300.0,
         gt=0.0,
@@ -107,6 +146,15 @@ class ReplayConfig(_Section):
         description="Rollout back-pressure: generation pauses while this many unused samples "
         "wait in the buffer.",
     )
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> ReplayConfig:
+        # Resolve the plug-ins now so a typo fails at submission, not mid-run.
+        from reflow.replay.plugins import load_filter, load_sampler
+
+        load_sampler(self.sampler, self.sampler_args)
+        load_filter(self.replay_filter, self.filter_args)
+        return self
 
 
 class JobSpec(_Section):

@@ -37,6 +37,8 @@ class Trajectory:
     advantage: float = 0.0
     finish_reason: str = "stop"
     created_at: float = 0.0
+    # Times trained on before this batch: 0 for unused samples, > 0 for replayed.
+    uses: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import abc
 
+from reflow.core.config import ReplayConfig
 from reflow.core.types import Batch, Trajectory
 from reflow.replay.store import BufferStats, ReplayStore
 
 
 class ReplayClient(abc.ABC):
+    @abc.abstractmethod
+    def configure(self, job_id: str, config: ReplayConfig) -> None: ...
+
     @abc.abstractmethod
     def put(self, job_id: str, trajectories: list[Trajectory]) -> int: ...
 
@@ -19,7 +23,8 @@ class ReplayClient(abc.ABC):
                timeout_s: float) -> Batch | None: ...
 
     @abc.abstractmethod
-    def release(self, job_id: str, lease_id: str) -> int: ...
+    def release(self, job_id: str, lease_id: str,
+                sample_stats: dict[str, dict[str, float]] | None = None) -> int: ...
 
     @abc.abstractmethod
     def publish_version(self, job_id: str, policy_version: int) -> None: ...
@@ -35,6 +40,9 @@ class InprocReplayClient(ReplayClient):
     def __init__(self, store: ReplayStore) -> None:
         self.store = store
 
+    def configure(self, job_id: str, config: ReplayConfig) -> None:
+        self.store.configure(job_id, config)
+
     def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
         return self.store.put(job_id, trajectories)
 
@@ -42,8 +50,9 @@ class InprocReplayClient(ReplayClient):
                timeout_s: float) -> Batch | None:
         return self.store.lease(job_id, batch_size, lease_ttl_s, timeout_s)
 
-    def release(self, job_id: str, lease_id: str) -> int:
-        return self.store.release(job_id, lease_id)
+    def release(self, job_id: str, lease_id: str,
+                sample_stats: dict[str, dict[str, float]] | None = None) -> int:
+        return self.store.release(job_id, lease_id, sample_stats)
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         self.store.publish_version(job_id, policy_version)
@@ -61,6 +70,12 @@ class GrpcReplayClient(ReplayClient):
         self.deadline_s = deadline_s
         self._channel = rpc.channel(address)
         self._stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
+
+    def configure(self, job_id: str, config: ReplayConfig) -> None:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.ConfigureRequest(job_id=job_id, replay_config_json=config.model_dump_json())
+        self._stub.Configure(req, timeout=self.deadline_s)
 
     def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
         from reflow.v1 import replay_pb2
@@ -89,10 +104,13 @@ class GrpcReplayClient(ReplayClient):
             policy_version=reply.policy_version,
         )
 
-    def release(self, job_id: str, lease_id: str) -> int:
+    def release(self, job_id: str, lease_id: str,
+                sample_stats: dict[str, dict[str, float]] | None = None) -> int:
         from reflow.v1 import replay_pb2
 
-        req = replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id)
+        stats = [replay_pb2.SampleStats(sample_id=sid, values=values)
+                 for sid, values in (sample_stats or {}).items()]
+        req = replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id, stats=stats)
         return self._stub.Release(req, timeout=self.deadline_s).released
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
@@ -105,15 +123,7 @@ class GrpcReplayClient(ReplayClient):
         from reflow.v1 import common_pb2
 
         m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
-        return BufferStats(
-            unused_samples=m.unused_samples,
-            leased_samples=m.leased_samples,
-            policy_version=m.policy_version,
-            put_total=m.put_total,
-            trained_total=m.trained_total,
-            expired_leases_total=m.expired_leases_total,
-            outstanding_leases=m.outstanding_leases,
-        )
+        return BufferStats(**{f: getattr(m, f) for f in BufferStats.__dataclass_fields__})
 
     def close(self) -> None:
         self._channel.close()

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import grpc
 
 from reflow import rpc
+from reflow.core.config import ReplayConfig
+from reflow.replay.metrics import BufferMetrics
 from reflow.replay.store import ReplayStore
 from reflow.v1 import common_pb2, replay_pb2, replay_pb2_grpc
-from reflow.wire import trajectory_from_proto, trajectory_to_proto
+from reflow.wire import trajectory_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +23,17 @@ MAX_SAMPLE_WAIT_S = 60.0
 
 
 class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
-    def __init__(self, store: ReplayStore) -> None:
+    def __init__(self, store: ReplayStore, metrics: BufferMetrics | None = None) -> None:
         self.store = store
+        self.metrics = metrics or BufferMetrics(store)
+
+    def Configure(self, request, context):
+        try:
+            config = ReplayConfig.model_validate_json(request.replay_config_json)
+            self.store.configure(request.job_id, config)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
 
     def Put(self, request, context):
         try:
@@ -31,9 +43,11 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
             rpc.abort_on(context, err)
 
     def Sample(self, request, context):
+        start = time.monotonic()
         try:
+            self.metrics.seen(request.job_id)
             wait_s = min(max(request.timeout_s, 0.0), MAX_SAMPLE_WAIT_S)
-            batch = self.store.lease(
+            batch = self.store.lease_raw(
                 request.job_id, request.batch_size, request.lease_ttl_s, wait_s
             )
         except Exception as err:  # noqa: BLE001
@@ -44,16 +58,24 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
             # The trainer gave up waiting; hand the samples straight back.
             self.store.return_lease(request.job_id, batch.lease_id)
             return replay_pb2.SampleReply()
-        return replay_pb2.SampleReply(
-            lease_id=batch.lease_id,
-            trajectories=[trajectory_to_proto(t) for t in batch.trajectories],
-            policy_version=batch.policy_version,
-        )
+        # Stored bytes go straight into the reply: parsing them is C code; no
+        # round trip through Python objects.
+        reply = replay_pb2.SampleReply(lease_id=batch.lease_id, policy_version=batch.policy_version)
+        for blob, uses in batch.samples:
+            m = reply.trajectories.add()
+            m.ParseFromString(blob)
+            m.uses = uses
+        self.metrics.observe_batch(request.job_id, reply.trajectories, batch.policy_version,
+                                   time.monotonic() - start)
+        return reply
 
     def Release(self, request, context):
         try:
             return replay_pb2.ReleaseReply(
-                released=self.store.release(request.job_id, request.lease_id)
+                released=self.store.release(
+                    request.job_id, request.lease_id,
+                    {s.sample_id: dict(s.values) for s in request.stats},
+                )
             )
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
@@ -73,8 +95,9 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         return replay_pb2.BufferStats(**dataclasses.asdict(stats))
 
 
-def serve(store: ReplayStore, address: str) -> tuple[grpc.Server, int]:
-    servicer = ReplayBufferServicer(store)
+def serve(store: ReplayStore, address: str,
+          metrics: BufferMetrics | None = None) -> tuple[grpc.Server, int]:
+    servicer = ReplayBufferServicer(store, metrics)
     return rpc.make_server(
         "reflow.v1.ReplayBuffer",
         lambda s: replay_pb2_grpc.add_ReplayBufferServicer_to_server(servicer, s),

@@ -1,166 +1,125 @@
-"""The replay buffer's state, all of it in Redis (paper §4.2).
+"""The replay buffer's state and operations, all of it in Redis (paper §4).
 
-Owns the Redis data layout and the atomic operations on it: put a group,
-lease a batch, release a lease, return expired leases, publish a policy
-version. It knows nothing of gRPC; `server.py` exposes it.
+Owns the Redis layout, batch composition under the replay cap σ, the
+staleness bound δ, leases, and the replay filter's reinsertion. It knows
+nothing of gRPC; `server.py` exposes it.
 
-Unit of sampling: the GRPO group. Rollout puts whole groups (their
-advantages are normalised within the group at completion), and a batch is
-made of whole groups, so every advantage in a batch was computed against the
-same peers it was generated with.
+Unit of sampling: the GRPO group. Rollout puts whole groups, whose
+advantages were normalised within the group when it completed; a batch is
+made of whole groups, and a replayed group keeps the advantages it was
+generated with (its members' ranking against each other does not change by
+being reused). The replay filter decides per sample, so a group may come back
+smaller; its remaining members keep their advantages.
 
-Delivery is at-least-once: `lease` moves groups from the unused queue into a
-lease with a deadline; `release` deletes them; a lease past its deadline goes
-back to the queue at its original position. A buffer process can die at any
-point and lose nothing: every transition is one Lua script, atomic in Redis.
+Pools (paper §4.2): `unused` holds groups never trained on (fresh or stale),
+`replay` holds groups trained on at least once and accepted back by the
+filter. A batch of size b takes between ceil(b(1-σ)) and b samples from
+`unused` and the rest from `replay`; how many it takes follows what is
+available, so the replay fraction adapts to the rates of production and
+consumption. With too few unused samples the request waits (up to its
+deadline) rather than break the cap.
+
+Delivery is at-least-once: `lease` moves groups into a lease with a deadline;
+`release` applies the filter; an expired lease gives its groups back to the
+pools they came from. Every transition is one Lua script (see `scripts.py`),
+atomic in Redis, so a buffer process may die at any point and lose nothing.
 
 Layout, per job, under `reflow:{<job>}:` (the braces keep a job's keys in one
-Redis Cluster hash slot):
+Redis Cluster slot):
 
-    samples         HASH  sample_id -> Trajectory protobuf bytes
-    group_members   HASH  group_id  -> "sid,sid,..."
-    group_seq       HASH  group_id  -> arrival number (FIFO order)
-    unused          ZSET  group_id scored by arrival number
-    leases          ZSET  lease_id scored by expiry (unix seconds)
-    lease:<id>      STRING "gid,gid,..."
-    stats           HASH  counters (see BufferStats)
-    version         STRING latest published policy version
+    samples      HASH sample_id -> Trajectory protobuf bytes
+    sample_meta  HASH sample_id -> "reward|advantage|num_tokens|oldest_version" (for the filter)
+    members      HASH group_id -> "sid,sid,..."
+    meta         HASH group_id -> "size|reward_mean|oldest_version|uses|num_tokens|created_at"
+    seq          HASH group_id -> arrival number (pool order)
+    unused       ZSET group_id by arrival     replay  ZSET group_id by arrival
+    by_version   ZSET group_id by oldest policy version (staleness index)
+    leases       ZSET lease_id by expiry      lease:<id> HASH group_id -> u|r
+    stats        HASH counters (see BufferStats)
+    version      STRING latest published policy version
+    config       STRING the job's ReplayConfig as JSON
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 import uuid
 from dataclasses import dataclass
 
 import redis
 
+from reflow.core.config import ReplayConfig
 from reflow.core.types import Batch, Trajectory
+from reflow.replay import scripts
+from reflow.replay.plugins import GroupInfo, SampleInfo, load_filter, load_sampler
 from reflow.wire import trajectory_from_bytes, trajectory_to_bytes
 
 logger = logging.getLogger(__name__)
 
-# KEYS: samples, group_members, group_seq, unused, stats
-# ARGV: group_id, n, sid_1, bytes_1, ..., sid_n, bytes_n
-_PUT_GROUP = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
-local n = tonumber(ARGV[2])
-local ids = {}
-for i = 1, n do
-  local sid = ARGV[1 + 2 * i]
-  redis.call('HSET', KEYS[1], sid, ARGV[2 + 2 * i])
-  ids[#ids + 1] = sid
-end
-local seq = redis.call('HINCRBY', KEYS[5], 'arrivals', 1)
-redis.call('HSET', KEYS[2], ARGV[1], table.concat(ids, ','))
-redis.call('HSET', KEYS[3], ARGV[1], seq)
-redis.call('ZADD', KEYS[4], seq, ARGV[1])
-redis.call('HINCRBY', KEYS[5], 'put_total', n)
-redis.call('HINCRBY', KEYS[5], 'unused_samples', n)
-return n
-"""
-
-# KEYS: unused, group_members, leases, lease_key, stats
-# ARGV: batch_size, lease_id, expiry
-_LEASE = """
-local want = tonumber(ARGV[1])
-local gids = redis.call('ZRANGE', KEYS[1], 0, want - 1)
-local taken = {}
-local n = 0
-for _, gid in ipairs(gids) do
-  if n >= want then break end
-  local members = redis.call('HGET', KEYS[2], gid)
-  local _, commas = string.gsub(members, ',', '')
-  taken[#taken + 1] = gid
-  n = n + commas + 1
-end
-if n < want then return false end
-redis.call('ZREM', KEYS[1], unpack(taken))
-redis.call('SET', KEYS[4], table.concat(taken, ','))
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
-redis.call('HINCRBY', KEYS[5], 'unused_samples', 0 - n)
-redis.call('HINCRBY', KEYS[5], 'leased_samples', n)
-return taken
-"""
-
-# KEYS: samples, group_members, group_seq, leases, lease_key, stats
-# ARGV: lease_id
-_RELEASE = """
-local gids = redis.call('GET', KEYS[5])
-if not gids then return 0 end
-local n = 0
-for gid in string.gmatch(gids, '[^,]+') do
-  local members = redis.call('HGET', KEYS[2], gid)
-  if members then
-    for sid in string.gmatch(members, '[^,]+') do
-      redis.call('HDEL', KEYS[1], sid)
-      n = n + 1
-    end
-  end
-  redis.call('HDEL', KEYS[2], gid)
-  redis.call('HDEL', KEYS[3], gid)
-end
-redis.call('DEL', KEYS[5])
-redis.call('ZREM', KEYS[4], ARGV[1])
-if n > 0 then
-  redis.call('HINCRBY', KEYS[6], 'trained_total', n)
-  redis.call('HINCRBY', KEYS[6], 'leased_samples', 0 - n)
-end
-return n
-"""
-
-# KEYS: group_members, group_seq, unused, leases, stats
-# ARGV: now, lease key prefix
-_EXPIRE = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[1])
-local returned = 0
-for _, lid in ipairs(expired) do
-  local gids = redis.call('GET', ARGV[2] .. lid)
-  if gids then
-    for gid in string.gmatch(gids, '[^,]+') do
-      local members = redis.call('HGET', KEYS[1], gid)
-      if members then
-        local _, commas = string.gsub(members, ',', '')
-        returned = returned + commas + 1
-        redis.call('ZADD', KEYS[3], redis.call('HGET', KEYS[2], gid), gid)
-      end
-    end
-    redis.call('DEL', ARGV[2] .. lid)
-  end
-  redis.call('ZREM', KEYS[4], lid)
-  redis.call('HINCRBY', KEYS[5], 'expired_leases_total', 1)
-end
--- Guarded: Lua prints a negated zero as "-0", which Redis rejects.
-if returned > 0 then
-  redis.call('HINCRBY', KEYS[5], 'unused_samples', returned)
-  redis.call('HINCRBY', KEYS[5], 'leased_samples', 0 - returned)
-end
-return returned
-"""
+# Candidates read per pool per batch; larger pools are sampled at random.
+MAX_CANDIDATES = 4096
+_CLAIM_RETRIES = 5
 
 
 @dataclass
 class BufferStats:
     unused_samples: int = 0
+    replay_samples: int = 0
     leased_samples: int = 0
     policy_version: int = 0
     put_total: int = 0
     trained_total: int = 0
+    trained_unused_total: int = 0
+    evicted_total: int = 0
+    dropped_total: int = 0
     expired_leases_total: int = 0
     outstanding_leases: int = 0
+
+
+@dataclass
+class RawBatch:
+    """A leased batch as stored: protobuf bytes per sample, undecoded, so a server
+    can pass them on without a round trip through Python objects."""
+
+    lease_id: str
+    policy_version: int
+    samples: list[tuple[bytes, int]]  # (Trajectory bytes, uses before this batch)
+
+    def decode(self) -> Batch:
+        trajectories = []
+        for blob, uses in self.samples:
+            t = trajectory_from_bytes(blob)
+            t.uses = uses
+            trajectories.append(t)
+        return Batch(self.lease_id, trajectories, self.policy_version)
+
+
+def _meta(size: int, reward_mean: float, oldest: int, uses: int, tokens: int, created: float) -> str:
+    return f"{size}|{reward_mean!r}|{oldest}|{uses}|{tokens}|{created!r}"
+
+
+def _parse_meta(group_id: str, raw: bytes) -> GroupInfo:
+    size, reward, oldest, uses, tokens, created = raw.decode().split("|")
+    return GroupInfo(group_id, int(size), float(reward), int(oldest), int(uses), int(tokens),
+                     float(created))
 
 
 class ReplayStore:
     """Replay-buffer operations for any number of jobs on one Redis."""
 
-    def __init__(self, client: redis.Redis, poll_interval_s: float = 0.02) -> None:
+    def __init__(self, client: redis.Redis, poll_interval_s: float = 0.02, seed: int | None = None) -> None:
         self.redis = client
         self.poll_interval_s = poll_interval_s
-        self._put = client.register_script(_PUT_GROUP)
-        self._lease = client.register_script(_LEASE)
-        self._release = client.register_script(_RELEASE)
-        self._expire = client.register_script(_EXPIRE)
+        self._rng = random.Random(seed)
+        self._put = client.register_script(scripts.PUT_GROUP)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._release = client.register_script(scripts.RELEASE)
+        self._expire = client.register_script(scripts.EXPIRE)
+        self._publish = client.register_script(scripts.PUBLISH)
+        self._configs: dict[str, tuple[bytes, ReplayConfig]] = {}
 
     @classmethod
     def from_url(cls, url: str) -> ReplayStore:
@@ -172,77 +131,60 @@ class ReplayStore:
             raise ValueError("job_id must be non-empty")
         return f"reflow:{{{job_id}}}:{name}"
 
+    def _keys(self, job_id: str, *names: str) -> list[str]:
+        return [self._key(job_id, n) for n in names]
+
+    # --- configuration ---------------------------------------------------------
+
+    def configure(self, job_id: str, config: ReplayConfig) -> None:
+        """Store the job's replay settings (σ, δ, plug-ins) where every buffer replica sees them."""
+        self.redis.set(self._key(job_id, "config"), config.model_dump_json())
+
+    def config(self, job_id: str) -> ReplayConfig:
+        raw = self.redis.get(self._key(job_id, "config")) or b"{}"
+        cached = self._configs.get(job_id)
+        if cached is None or cached[0] != raw:
+            cached = (raw, ReplayConfig.model_validate_json(raw))
+            self._configs[job_id] = cached
+        return cached[1]
+
+    # --- put ---------------------------------------------------------------------
+
     def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
         """Store trajectories, grouped by group_id. Putting a group twice is a no-op,
         so rollout may retry a put it is unsure of. Returns the samples accepted."""
         groups: dict[str, list[Trajectory]] = {}
         for t in trajectories:
+            if "," in t.sample_id or "," in t.group_id or "|" in t.group_id:
+                raise ValueError("sample_id and group_id must not contain ',' or '|'")
             groups.setdefault(t.group_id, []).append(t)
-        k = lambda name: self._key(job_id, name)  # noqa: E731
-        keys = [k("samples"), k("group_members"), k("group_seq"), k("unused"), k("stats")]
-        accepted = 0
+        delta = self.config(job_id).max_staleness
+        keys = self._keys(job_id, "samples", "members", "meta", "seq", "unused", "by_version",
+                          "stats", "version", "sample_meta")
+        pipe = self.redis.pipeline(transaction=False)
         for group_id, members in groups.items():
-            args: list[str | bytes | int] = [group_id, len(members)]
+            oldest = min(t.oldest_version for t in members)
+            meta = _meta(len(members), sum(t.reward for t in members) / len(members), oldest, 0,
+                         sum(t.num_tokens for t in members), min(t.created_at for t in members))
+            args: list[str | bytes | int] = [group_id, meta, oldest, delta, len(members)]
             for t in members:
-                if "," in t.sample_id or "," in group_id:
-                    raise ValueError("sample_id and group_id must not contain ','")
-                args += [t.sample_id, trajectory_to_bytes(t)]
-            accepted += int(self._put(keys=keys, args=args))
-        return accepted
+                args += [t.sample_id, trajectory_to_bytes(t),
+                         f"{t.reward!r}|{t.advantage!r}|{t.num_tokens}|{t.oldest_version}"]
+            self._put(keys=keys, args=args, client=pipe)
+        return sum(int(n) for n in pipe.execute())
+
+    # --- lease ---------------------------------------------------------------------
 
     def expire_leases(self, job_id: str, now: float | None = None) -> int:
-        """Return samples of every lease past its deadline to the unused queue."""
-        k = lambda name: self._key(job_id, name)  # noqa: E731
-        keys = [k("group_members"), k("group_seq"), k("unused"), k("leases"), k("stats")]
+        """Return the samples of every lease past its deadline to their pools."""
+        keys = self._keys(job_id, "members", "seq", "unused", "replay", "leases", "stats")
         now = time.time() if now is None else now
-        returned = int(self._expire(keys=keys, args=[now, k("lease:")]))
+        returned = int(self._expire(keys=keys, args=[now, self._key(job_id, "lease:")]))
         if returned:
             logger.warning("job %s: %d samples returned from expired leases", job_id, returned)
+            # Returned groups may have aged past δ while leased.
+            self.publish_version(job_id, self.version(job_id))
         return returned
-
-    def try_lease(self, job_id: str, batch_size: int, lease_ttl_s: float) -> Batch | None:
-        """Lease `batch_size` samples (whole groups) if that many are unused, else None."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
-        self.expire_leases(job_id)
-        lease_id = uuid.uuid4().hex
-        k = lambda name: self._key(job_id, name)  # noqa: E731
-        keys = [k("unused"), k("group_members"), k("leases"), k(f"lease:{lease_id}"), k("stats")]
-        group_ids = self._lease(keys=keys, args=[batch_size, lease_id, time.time() + lease_ttl_s])
-        if not group_ids:
-            return None
-        members = self.redis.hmget(k("group_members"), group_ids)
-        sample_ids = [sid for m in members if m for sid in m.decode().split(",")]
-        blobs = self.redis.hmget(k("samples"), sample_ids)
-        trajectories = [trajectory_from_bytes(b) for b in blobs if b is not None]
-        return Batch(lease_id=lease_id, trajectories=trajectories, policy_version=self.version(job_id))
-
-    def lease(
-        self, job_id: str, batch_size: int, lease_ttl_s: float, timeout_s: float
-    ) -> Batch | None:
-        """Like `try_lease`, waiting up to `timeout_s` for enough samples."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            batch = self.try_lease(job_id, batch_size, lease_ttl_s)
-            if batch is not None or time.monotonic() >= deadline:
-                return batch
-            time.sleep(self.poll_interval_s)
-
-    def release(self, job_id: str, lease_id: str) -> int:
-        """Finish a lease: its samples are trained and leave the buffer. Idempotent:
-        an unknown or already released lease releases nothing."""
-        k = lambda name: self._key(job_id, name)  # noqa: E731
-        keys = [
-            k("samples"),
-            k("group_members"),
-            k("group_seq"),
-            k("leases"),
-            k(f"lease:{lease_id}"),
-            k("stats"),
-        ]
-        return int(self._release(keys=keys, args=[lease_id]))
 
     def return_lease(self, job_id: str, lease_id: str) -> int:
         """Give a lease's samples back at once, as if it had expired (used when the
@@ -250,10 +192,152 @@ class ReplayStore:
         self.redis.zadd(self._key(job_id, "leases"), {lease_id: 0}, xx=True)
         return self.expire_leases(job_id)
 
-    def publish_version(self, job_id: str, policy_version: int) -> None:
+    def _candidates(self, job_id: str, pool: str, min_version: int) -> list[GroupInfo]:
+        key = self._key(job_id, pool)
+        if self.redis.zcard(key) <= MAX_CANDIDATES:
+            ids = self.redis.zrange(key, 0, -1)
+        else:
+            ids = self.redis.zrandmember(key, MAX_CANDIDATES)
+        if not ids:
+            return []
+        metas = self.redis.hmget(self._key(job_id, "meta"), ids)
+        infos = [_parse_meta(g.decode(), m) for g, m in zip(ids, metas) if m is not None]
+        return [g for g in infos if g.oldest_version >= min_version]
+
+    @staticmethod
+    def _take(ranked: list[GroupInfo], budget: int) -> list[GroupInfo]:
+        taken, total = [], 0
+        for g in ranked:
+            if total + g.size <= budget:
+                taken.append(g)
+                total += g.size
+            if total == budget:
+                break
+        return taken
+
+    def try_lease(self, job_id: str, batch_size: int, lease_ttl_s: float) -> Batch | None:
+        """Compose and lease a batch of `batch_size` samples now, or return None."""
+        raw = self.try_lease_raw(job_id, batch_size, lease_ttl_s)
+        return raw.decode() if raw is not None else None
+
+    def try_lease_raw(self, job_id: str, batch_size: int, lease_ttl_s: float) -> RawBatch | None:
+        """`try_lease`, returning the samples as stored bytes."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        self.expire_leases(job_id)
+        config = self.config(job_id)
+        sampler = load_sampler(config.sampler, config.sampler_args)
+        # σ bounds the replay share; ceil keeps the bound on the safe side.
+        min_unused = math.ceil(batch_size * (1.0 - config.replay_cap) - 1e-9)
+        for _ in range(_CLAIM_RETRIES):
+            version = self.version(job_id)
+            min_version = version - config.max_staleness
+            stats = self.stats(job_id)
+            if stats.unused_samples < min_unused:
+                return None
+            unused = self._take(sampler.rank(self._candidates(job_id, "unused", min_version),
+                                             self._rng), batch_size)
+            num_unused = sum(g.size for g in unused)
+            if num_unused < min_unused:
+                return None
+            replay: list[GroupInfo] = []
+            if num_unused < batch_size:
+                replay = self._take(sampler.rank(self._candidates(job_id, "replay", min_version),
+                                                 self._rng), batch_size - num_unused)
+                if num_unused + sum(g.size for g in replay) < batch_size:
+                    return None
+            lease_id = uuid.uuid4().hex
+            keys = self._keys(job_id, "unused", "replay", "members", "leases", f"lease:{lease_id}",
+                              "stats")
+            args = [lease_id, time.time() + lease_ttl_s, len(unused),
+                    *[g.group_id for g in unused], *[g.group_id for g in replay]]
+            if self._claim(keys=keys, args=args):
+                return self._load_batch(job_id, lease_id, unused + replay, version)
+        return None
+
+    def _load_batch(self, job_id: str, lease_id: str, groups: list[GroupInfo], version: int) -> RawBatch:
+        members = self.redis.hmget(self._key(job_id, "members"), [g.group_id for g in groups])
+        uses, sample_ids = [], []
+        for g, m in zip(groups, members):
+            for sid in (m or b"").decode().split(","):
+                if sid:
+                    sample_ids.append(sid)
+                    uses.append(g.uses)
+        blobs = self.redis.hmget(self._key(job_id, "samples"), sample_ids)
+        return RawBatch(lease_id, version, list(zip(blobs, uses)))
+
+    def lease_raw(self, job_id: str, batch_size: int, lease_ttl_s: float,
+                  timeout_s: float) -> RawBatch | None:
+        """Like `try_lease_raw`, waiting up to `timeout_s` for enough samples."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            batch = self.try_lease_raw(job_id, batch_size, lease_ttl_s)
+            if batch is not None or time.monotonic() >= deadline:
+                return batch
+            time.sleep(self.poll_interval_s)
+
+    def lease(self, job_id: str, batch_size: int, lease_ttl_s: float, timeout_s: float) -> Batch | None:
+        """Like `try_lease`, waiting up to `timeout_s` for enough samples."""
+        raw = self.lease_raw(job_id, batch_size, lease_ttl_s, timeout_s)
+        return raw.decode() if raw is not None else None
+
+    # --- release -------------------------------------------------------------------
+
+    def release(self, job_id: str, lease_id: str,
+                sample_stats: dict[str, dict[str, float]] | None = None) -> int:
+        """Finish a lease: its samples count as trained once more, and the replay
+        filter decides, sample by sample, which go back to the replay pool.
+        Idempotent: an unknown, released or expired lease releases nothing."""
+        lease = self.redis.hgetall(self._key(job_id, f"lease:{lease_id}"))
+        if not lease:
+            return 0
+        config = self.config(job_id)
+        replay_filter = load_filter(config.replay_filter, config.filter_args)
+        group_ids = [g.decode() for g in lease]
+        metas = self.redis.hmget(self._key(job_id, "meta"), group_ids)
+        members = self.redis.hmget(self._key(job_id, "members"), group_ids)
+        sample_stats = sample_stats or {}
+        args: list[str | int] = [lease_id, config.max_staleness]
+        for gid, meta, m in zip(group_ids, metas, members):
+            if meta is None or m is None:
+                continue
+            info = _parse_meta(gid, meta)
+            sids = m.decode().split(",")
+            kept: list[tuple[str, float, int]] = []
+            for sid, raw in zip(sids, self.redis.hmget(self._key(job_id, "sample_meta"), sids)):
+                if raw is None:
+                    continue
+                reward, advantage, tokens, oldest = raw.decode().split("|")
+                sample = SampleInfo(sid, gid, float(reward), float(advantage), info.uses + 1,
+                                    int(tokens), int(oldest), sample_stats.get(sid, {}))
+                if replay_filter.keep(sample):
+                    kept.append((sid, sample.reward, sample.num_tokens))
+            meta_new = ""
+            if kept:
+                meta_new = _meta(len(kept), sum(r for _, r, _ in kept) / len(kept),
+                                 info.oldest_version, info.uses + 1,
+                                 sum(n for _, _, n in kept), info.created_at)
+            args += [gid, ",".join(sid for sid, _, _ in kept), meta_new]
+        keys = self._keys(job_id, "samples", "members", "meta", "seq", "replay", "by_version",
+                          "leases", f"lease:{lease_id}", "stats", "version", "sample_meta")
+        released = int(self._release(keys=keys, args=args))
+        return max(released, 0)
+
+    # --- versions and stats ----------------------------------------------------------
+
+    def publish_version(self, job_id: str, policy_version: int) -> int:
+        """Record a new policy version and evict what it makes too stale (δ).
+        Returns the samples evicted."""
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
-        self.redis.set(self._key(job_id, "version"), policy_version)
+        keys = self._keys(job_id, "samples", "members", "meta", "seq", "unused", "replay",
+                          "by_version", "stats", "version", "sample_meta")
+        evicted = int(self._publish(keys=keys, args=[policy_version, self.config(job_id).max_staleness]))
+        if evicted:
+            logger.info("job %s: version %d evicted %d stale samples", job_id, policy_version, evicted)
+        return evicted
 
     def version(self, job_id: str) -> int:
         raw = self.redis.get(self._key(job_id, "version"))
@@ -266,12 +350,7 @@ class ReplayStore:
         pipe.zcard(self._key(job_id, "leases"))
         raw, version, leases = pipe.execute()
         counters = {key.decode(): int(value) for key, value in raw.items()}
-        return BufferStats(
-            unused_samples=counters.get("unused_samples", 0),
-            leased_samples=counters.get("leased_samples", 0),
-            policy_version=int(version) if version is not None else 0,
-            put_total=counters.get("put_total", 0),
-            trained_total=counters.get("trained_total", 0),
-            expired_leases_total=counters.get("expired_leases_total", 0),
-            outstanding_leases=int(leases),
-        )
+        fields = {f: counters.get(f, 0) for f in BufferStats.__dataclass_fields__}
+        fields["policy_version"] = int(version) if version is not None else 0
+        fields["outstanding_leases"] = int(leases)
+        return BufferStats(**fields)

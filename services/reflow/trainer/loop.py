@@ -28,7 +28,7 @@ from reflow.core.types import Batch, Trajectory
 from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.trainer.loss import grpo_token_loss, token_logprobs
+from reflow.trainer.loss import grpo_token_loss, replay_sample_weights, token_logprobs
 from reflow.weightsync import DEFAULT_BUCKET_BYTES, make_group, send_weights, specs_of
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class TensorBatch:
     old_logprobs: torch.Tensor  # [B, T-1], aligned with targets input_ids[:, 1:]
     loss_mask: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
+    uses: torch.Tensor  # [B], times trained before: > 0 marks a replayed sample
+    num_tokens: torch.Tensor  # [B], loss tokens n_i
 
 
 def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -> TensorBatch:
@@ -64,8 +66,11 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -
         old[i, p - 1 : p - 1 + r] = torch.tensor(t.logprobs)
         mask[i, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
     adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
+    uses = torch.tensor([t.uses for t in trajectories], dtype=torch.long)
+    num_tokens = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.long)
     return TensorBatch(
-        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device)
+        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device),
+        uses.to(device), num_tokens.to(device),
     )
 
 
@@ -114,6 +119,8 @@ class TrainLoop:
             weight_decay=self.spec.trainer.weight_decay,
         )
         self.pad_id = self.tokenizer.pad_token_id or 0
+        # The buffer composes batches and evicts by these settings (σ, δ, plug-ins).
+        self.replay.configure(self.job_id, self.spec.replay)
 
     def init_weight_sync(self) -> None:
         """Build the broadcast group: trainer rank 0, rollout worker i rank i+1."""
@@ -154,9 +161,10 @@ class TrainLoop:
             batch = self._lease_batch()
             wait_s = time.monotonic() - step_start
             # 2. Optimise.
-            stats = self._train_step(batch)
-            # 3. Release: the samples are trained.
-            self.replay.release(self.job_id, batch.lease_id)
+            stats, sample_stats = self._train_step(batch)
+            # 3. Release: the samples are trained; the buffer's replay filter sees
+            #    each one's training stats and decides whether it comes back.
+            self.replay.release(self.job_id, batch.lease_id, sample_stats)
             self.step += 1
             # 4. Publish a new policy version every sync_interval steps.
             sync_s = 0.0
@@ -199,8 +207,11 @@ class TrainLoop:
         # The engine sampled from softmax(logits / T); score under the same law.
         logits = logits[:, :-1] / self.spec.rollout.temperature
         new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
+        # Replayed samples weigh τ, then the batch is renormalised (paper §4.1).
+        weights = replay_sample_weights(tb.uses, tb.num_tokens, self.spec.replay.replay_weight)
         loss, stats = grpo_token_loss(
-            new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask, self.spec.trainer.clip_eps
+            new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask, self.spec.trainer.clip_eps,
+            sample_weights=weights,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -208,7 +219,16 @@ class TrainLoop:
             self.model.parameters(), self.spec.trainer.max_grad_norm
         )
         self.optimizer.step()
-        return stats, float(grad_norm)
+        with torch.no_grad():
+            ratio = torch.exp((new_logprobs - tb.old_logprobs) * tb.loss_mask) * tb.loss_mask
+            clipped = ((ratio - 1.0).abs() > self.spec.trainer.clip_eps) * tb.loss_mask
+            denom = tb.loss_mask.sum(-1).clamp(min=1.0)
+            per_ratio, per_clip = (ratio.sum(-1) / denom).tolist(), (clipped.sum(-1) / denom).tolist()
+        sample_stats = {
+            t.sample_id: {"ratio_mean": r, "clip_fraction": c, "loss_weight": float(w)}
+            for t, r, c, w in zip(batch.trajectories, per_ratio, per_clip, weights)
+        }
+        return (stats, float(grad_norm)), sample_stats
 
     def _publish(self) -> float:
         """Send the weights to every rollout worker as version v+1, then tell the buffer."""
@@ -234,9 +254,14 @@ class TrainLoop:
         loss_stats, grad_norm = stats
         trajs = batch.trajectories
         trained_tokens = sum(t.num_tokens for t in trajs)
-        # Staleness is measured against the version the batch was trained under.
-        trained_version = self.policy_version - (1 if sync_s else 0)
-        staleness = [trained_version - t.oldest_version for t in trajs]
+        # Staleness against the version the batch was leased (and trained) under.
+        staleness = [batch.policy_version - t.oldest_version for t in trajs]
+        replayed = sum(1 for t in trajs if t.uses > 0)
+        fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
+        histogram: dict[str, int] = {}
+        for s in staleness:
+            histogram[str(s)] = histogram.get(str(s), 0) + 1
+        buffer = self.replay.stats(self.job_id)
         num_workers = max(1, len(self.rollouts))
         return {
             "step": self.step,
@@ -247,13 +272,20 @@ class TrainLoop:
             "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
             "rollout_idle_ratio": min(1.0, rollout_idle_s / (step_s * num_workers)) if step_s > 0 else 0.0,
-            "fresh_samples": sum(1 for s in staleness if s == 0),
-            "stale_samples": sum(1 for s in staleness if s > 0),
-            "replay_samples": 0,
+            "fresh_samples": fresh,
+            "stale_samples": len(trajs) - fresh - replayed,
+            "replay_samples": replayed,
+            "replay_fraction": replayed / len(trajs),
             "max_staleness": max(staleness),
+            "staleness_counts": histogram,
             "wall_time_s": wall_s,
             "batch_wait_s": wait_s,
             "weight_sync_s": sync_s,
+            "unused_pool_samples": buffer.unused_samples,
+            "replay_pool_samples": buffer.replay_samples,
+            "evicted_samples_total": buffer.evicted_total,
+            "filter_dropped_samples_total": buffer.dropped_total,
+            "outstanding_leases": buffer.outstanding_leases,
             "loss": loss_stats.loss,
             "clip_fraction": loss_stats.clip_fraction,
             "approx_kl": loss_stats.approx_kl,

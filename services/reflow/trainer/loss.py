@@ -61,6 +61,29 @@ def grpo_token_loss(
     return loss, stats
 
 
+def replay_sample_weights(
+    uses: torch.Tensor,
+    num_tokens: torch.Tensor,
+    replay_weight: float,
+    base_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sample loss weights of paper §4.1: w_i = ω_i for unused samples
+    (uses == 0) and τ·ω_i for replayed ones, normalised by
+    Z = Σ_j w_j n_j / Σ_j n_j so that Σ_j w̃_j n_j = Σ_j n_j: replay changes the
+    mix of the gradient, not its overall scale.
+
+    `base_weights` are the ω_i (1 when omitted); `num_tokens` the n_i.
+    """
+    omega = torch.ones_like(num_tokens, dtype=torch.float32) if base_weights is None else base_weights
+    w = torch.where(uses > 0, replay_weight * omega, omega)
+    n = num_tokens.to(torch.float32)
+    z = (w * n).sum() / n.sum().clamp(min=1.0)
+    if z <= 0:
+        # Only replayed samples with τ = 0: nothing to learn from this batch.
+        return torch.zeros_like(w)
+    return w / z
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) per position, without materialising a full log-softmax copy."""
     logits = logits.float()

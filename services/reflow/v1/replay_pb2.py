@@ -25,29 +25,37 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import common_pb2 as reflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/replay.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"I\n\nPutRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.reflow.v1.Trajectory\"\x1c\n\x08PutReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\"[\n\rSampleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"d\n\x0bSampleReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.reflow.v1.Trajectory\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"2\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\"?\n\x15PublishVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\xb9\x01\n\x0b\x42ufferStats\x12\x16\n\x0eunused_samples\x18\x01 \x01(\x03\x12\x16\n\x0eleased_samples\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tput_total\x18\x04 \x01(\x03\x12\x15\n\rtrained_total\x18\x05 \x01(\x03\x12\x1c\n\x14\x65xpired_leases_total\x18\x06 \x01(\x03\x12\x1a\n\x12outstanding_leases\x18\x07 \x01(\x03\x32\xb7\x02\n\x0cReplayBuffer\x12\x31\n\x03Put\x12\x15.reflow.v1.PutRequest\x1a\x13.reflow.v1.PutReply\x12:\n\x06Sample\x12\x18.reflow.v1.SampleRequest\x1a\x16.reflow.v1.SampleReply\x12=\n\x07Release\x12\x19.reflow.v1.ReleaseRequest\x1a\x17.reflow.v1.ReleaseReply\x12\x42\n\x0ePublishVersion\x12 .reflow.v1.PublishVersionRequest\x1a\x0e.reflow.v1.Ack\x12\x35\n\x08GetStats\x12\x11.reflow.v1.JobRef\x1a\x16.reflow.v1.BufferStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/replay.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\">\n\x10\x43onfigureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1a\n\x12replay_config_json\x18\x02 \x01(\t\"I\n\nPutRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.reflow.v1.Trajectory\"\x1c\n\x08PutReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\"[\n\rSampleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"d\n\x0bSampleReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.reflow.v1.Trajectory\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\x83\x01\n\x0bSampleStats\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x32\n\x06values\x18\x02 \x03(\x0b\x32\".reflow.v1.SampleStats.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"Y\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12%\n\x05stats\x18\x03 \x03(\x0b\x32\x16.reflow.v1.SampleStats\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\"?\n\x15PublishVersionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\x9d\x02\n\x0b\x42ufferStats\x12\x16\n\x0eunused_samples\x18\x01 \x01(\x03\x12\x16\n\x0eleased_samples\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tput_total\x18\x04 \x01(\x03\x12\x15\n\rtrained_total\x18\x05 \x01(\x03\x12\x1c\n\x14\x65xpired_leases_total\x18\x06 \x01(\x03\x12\x1a\n\x12outstanding_leases\x18\x07 \x01(\x03\x12\x16\n\x0ereplay_samples\x18\x08 \x01(\x03\x12\x1c\n\x14trained_unused_total\x18\t \x01(\x03\x12\x15\n\revicted_total\x18\n \x01(\x03\x12\x15\n\rdropped_total\x18\x0b \x01(\x03\x32\xf1\x02\n\x0cReplayBuffer\x12\x38\n\tConfigure\x12\x1b.reflow.v1.ConfigureRequest\x1a\x0e.reflow.v1.Ack\x12\x31\n\x03Put\x12\x15.reflow.v1.PutRequest\x1a\x13.reflow.v1.PutReply\x12:\n\x06Sample\x12\x18.reflow.v1.SampleRequest\x1a\x16.reflow.v1.SampleReply\x12=\n\x07Release\x12\x19.reflow.v1.ReleaseRequest\x1a\x17.reflow.v1.ReleaseReply\x12\x42\n\x0ePublishVersion\x12 .reflow.v1.PublishVersionRequest\x1a\x0e.reflow.v1.Ack\x12\x35\n\x08GetStats\x12\x11.reflow.v1.JobRef\x1a\x16.reflow.v1.BufferStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'reflow.v1.replay_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTREQUEST']._serialized_start=61
-  _globals['_PUTREQUEST']._serialized_end=134
-  _globals['_PUTREPLY']._serialized_start=136
-  _globals['_PUTREPLY']._serialized_end=164
-  _globals['_SAMPLEREQUEST']._serialized_start=166
-  _globals['_SAMPLEREQUEST']._serialized_end=257
-  _globals['_SAMPLEREPLY']._serialized_start=259
-  _globals['_SAMPLEREPLY']._serialized_end=359
-  _globals['_RELEASEREQUEST']._serialized_start=361
-  _globals['_RELEASEREQUEST']._serialized_end=411
-  _globals['_RELEASEREPLY']._serialized_start=413
-  _globals['_RELEASEREPLY']._serialized_end=445
-  _globals['_PUBLISHVERSIONREQUEST']._serialized_start=447
-  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=510
-  _globals['_BUFFERSTATS']._serialized_start=513
-  _globals['_BUFFERSTATS']._serialized_end=698
-  _globals['_REPLAYBUFFER']._serialized_start=701
-  _globals['_REPLAYBUFFER']._serialized_end=1012
+  _globals['_SAMPLESTATS_VALUESENTRY']._loaded_options = None
+  _globals['_SAMPLESTATS_VALUESENTRY']._serialized_options = b'8\001'
+  _globals['_CONFIGUREREQUEST']._serialized_start=61
+  _globals['_CONFIGUREREQUEST']._serialized_end=123
+  _globals['_PUTREQUEST']._serialized_start=125
+  _globals['_PUTREQUEST']._serialized_end=198
+  _globals['_PUTREPLY']._serialized_start=200
+  _globals['_PUTREPLY']._serialized_end=228
+  _globals['_SAMPLEREQUEST']._serialized_start=230
+  _globals['_SAMPLEREQUEST']._serialized_end=321
+  _globals['_SAMPLEREPLY']._serialized_start=323
+  _globals['_SAMPLEREPLY']._serialized_end=423
+  _globals['_SAMPLESTATS']._serialized_start=426
+  _globals['_SAMPLESTATS']._serialized_end=557
+  _globals['_SAMPLESTATS_VALUESENTRY']._serialized_start=512
+  _globals['_SAMPLESTATS_VALUESENTRY']._serialized_end=557
+  _globals['_RELEASEREQUEST']._serialized_start=559
+  _globals['_RELEASEREQUEST']._serialized_end=648
+  _globals['_RELEASEREPLY']._serialized_start=650
+  _globals['_RELEASEREPLY']._serialized_end=682
+  _globals['_PUBLISHVERSIONREQUEST']._serialized_start=684
+  _globals['_PUBLISHVERSIONREQUEST']._serialized_end=747
+  _globals['_BUFFERSTATS']._serialized_start=750
+  _globals['_BUFFERSTATS']._serialized_end=1035
+  _globals['_REPLAYBUFFER']._serialized_start=1038
+  _globals['_REPLAYBUFFER']._serialized_end=1407
 # @@protoc_insertion_point(module_scope)

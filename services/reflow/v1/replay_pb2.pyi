@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConfigureRequest(_message.Message):
+    __slots__ = ("job_id", "replay_config_json")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replay_config_json: str
+    def __init__(self, job_id: _Optional[str] = ..., replay_config_json: _Optional[str] = ...) -> None: ...
+
 class PutRequest(_message.Message):
     __slots__ = ("job_id", "trajectories")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -43,13 +51,30 @@ class SampleReply(_message.Message):
     policy_version: int
     def __init__(self, lease_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_common_pb2.Trajectory, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
+class SampleStats(_message.Message):
+    __slots__ = ("sample_id", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, sample_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
-    __slots__ = ("job_id", "lease_id")
+    __slots__ = ("job_id", "lease_id", "stats")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    stats: _containers.RepeatedCompositeFieldContainer[SampleStats]
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., stats: _Optional[_Iterable[_Union[SampleStats, _Mapping]]] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
@@ -66,7 +91,7 @@ class PublishVersionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases")
+    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases", "replay_samples", "trained_unused_total", "evicted_total", "dropped_total")
     UNUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LEASED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +99,10 @@ class BufferStats(_message.Message):
     TRAINED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_LEASES_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_UNUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     unused_samples: int
     leased_samples: int
     policy_version: int
@@ -81,4 +110,8 @@ class BufferStats(_message.Message):
     trained_total: int
     expired_leases_total: int
     outstanding_leases: int
-    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ...) -> None: ...
+    replay_samples: int
+    trained_unused_total: int
+    evicted_total: int
+    dropped_total: int
+    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ..., replay_samples: _Optional[int] = ..., trained_unused_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., dropped_total: _Optional[int] = ...) -> None: ...

@@ -36,6 +36,11 @@ class ReplayBufferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Configure = channel.unary_unary(
+                '/reflow.v1.ReplayBuffer/Configure',
+                request_serializer=reflow_dot_v1_dot_replay__pb2.ConfigureRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
         self.Put = channel.unary_unary(
                 '/reflow.v1.ReplayBuffer/Put',
                 request_serializer=reflow_dot_v1_dot_replay__pb2.PutRequest.SerializeToString,
@@ -67,6 +72,13 @@ class ReplayBufferServicer:
     """The replay buffer: rollout puts trajectories, the trainer leases batches.
     """
 
+    def Configure(self, request, context):
+        """Store a job's replay settings (σ, τ, δ, sampler, filter); idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -81,7 +93,8 @@ class ReplayBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Release a lease after training. Idempotent.
+        """Release a lease after training, with per-sample training stats for the
+        replay filter. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,6 +116,11 @@ class ReplayBufferServicer:
 
 def add_ReplayBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=reflow_dot_v1_dot_replay__pb2.ConfigureRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=reflow_dot_v1_dot_replay__pb2.PutRequest.FromString,
@@ -139,6 +157,33 @@ def add_ReplayBufferServicer_to_server(servicer, server):
 class ReplayBuffer:
     """The replay buffer: rollout puts trajectories, the trainer leases batches.
     """
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.ReplayBuffer/Configure',
+            reflow_dot_v1_dot_replay__pb2.ConfigureRequest.SerializeToString,
+            reflow_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Put(request,

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the replay buffer.
+
+Counters and pool sizes live in Redis (they survive a restart and are shared
+by replicas), so they are read at scrape time by a collector; what a batch
+was made of is observed as each batch is leased. Names follow
+`reflow_replay_<noun>_<unit>`; the only label besides `pool`/`kind` is the
+job id (a handful per buffer, never a sample id).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from reflow.replay.store import ReplayStore
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+
+
+class _StoreCollector:
+    def __init__(self, store: ReplayStore, jobs: set[str]) -> None:
+        self.store = store
+        self.jobs = jobs
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        pools = GaugeMetricFamily("reflow_replay_pool_samples",
+                                  "Samples in the buffer by pool.", labels=["job", "pool"])
+        leases = GaugeMetricFamily("reflow_replay_outstanding_leases",
+                                   "Leased batches not yet released.", labels=["job"])
+        version = GaugeMetricFamily("reflow_replay_policy_version",
+                                    "Latest published policy version.", labels=["job"])
+        counters = {
+            "put_total": CounterMetricFamily("reflow_replay_put_samples", "Samples put.", labels=["job"]),
+            "trained_total": CounterMetricFamily(
+                "reflow_replay_trained_samples", "Sample-trainings released, replays included.",
+                labels=["job"]),
+            "evicted_total": CounterMetricFamily(
+                "reflow_replay_evicted_samples", "Samples evicted for staleness (δ).", labels=["job"]),
+            "dropped_total": CounterMetricFamily(
+                "reflow_replay_filter_dropped_samples", "Samples the replay filter dropped.",
+                labels=["job"]),
+            "expired_leases_total": CounterMetricFamily(
+                "reflow_replay_expired_leases", "Leases that expired unreleased.", labels=["job"]),
+        }
+        for job in sorted(self.jobs):
+            s = self.store.stats(job)
+            pools.add_metric([job, "unused"], s.unused_samples)
+            pools.add_metric([job, "replay"], s.replay_samples)
+            pools.add_metric([job, "leased"], s.leased_samples)
+            leases.add_metric([job], s.outstanding_leases)
+            version.add_metric([job], s.policy_version)
+            for field, family in counters.items():
+                family.add_metric([job], getattr(s, field))
+        yield pools
+        yield leases
+        yield version
+        yield from counters.values()
+
+
+class BufferMetrics:
+    def __init__(self, store: ReplayStore, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.jobs: set[str] = set()
+        self.registry.register(_StoreCollector(store, self.jobs))
+        self.batch_samples = Counter(
+            "reflow_replay_batch_samples_total", "Samples served in batches, by kind.",
+            ["job", "kind"], registry=self.registry)
+        self.replay_fraction = Gauge(
+            "reflow_replay_batch_replay_fraction_ratio", "Replayed share of the last batch.",
+            ["job"], registry=self.registry)
+        self.staleness = Histogram(
+            "reflow_replay_sample_staleness_versions",
+            "Policy versions between a served sample's oldest segment and the current one.",
+            ["job"], buckets=STALENESS_BUCKETS, registry=self.registry)
+        self.wait = Histogram(
+            "reflow_replay_batch_wait_seconds", "Time a batch request waited.", ["job"],
+            registry=self.registry)
+
+    def seen(self, job_id: str) -> None:
+        self.jobs.add(job_id)
+
+    def observe_batch(self, job_id: str, trajectories, policy_version: int, wait_s: float) -> None:
+        """`trajectories`: Trajectory protobuf messages (or anything with `segments`
+        of `policy_version`/`num_tokens` and `uses`)."""
+        self.seen(job_id)
+        kinds = {"fresh": 0, "stale": 0, "replayed": 0}
+        for t in trajectories:
+            oldest = min((s.policy_version for s in t.segments if s.num_tokens), default=0)
+            lag = policy_version - oldest
+            self.staleness.labels(job_id).observe(lag)
+            kinds["replayed" if t.uses else ("fresh" if lag == 0 else "stale")] += 1
+        for kind, n in kinds.items():
+            self.batch_samples.labels(job_id, kind).inc(n)
+        self.replay_fraction.labels(job_id).set(kinds["replayed"] / max(1, len(trajectories)))
+        self.wait.labels(job_id).observe(wait_s)

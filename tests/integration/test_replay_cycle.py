@@ -1,0 +1,105 @@
+"""The dual replay data cycle (paper §4) on a real Redis: the cap σ, the
+staleness bound δ, the sampler and the replay filter."""
+
+import pytest
+
+from reflow.core.config import ReplayConfig
+from reflow.core.types import Segment, Trajectory
+from reflow.replay.store import ReplayStore
+
+
+def group(gid, size=4, version=0, rewards=None, advantages=None):
+    rewards = rewards or [float(i % 2) for i in range(size)]
+    advantages = advantages or [r - sum(rewards) / size for r in rewards]
+    return [Trajectory(f"{gid}-{i}", gid, [1], [2, 3], [-0.5, -0.5], [1, 1], [Segment(version, 2)],
+                       reward=rewards[i], advantage=advantages[i]) for i in range(size)]
+
+
+@pytest.fixture
+def store(redis_server, redis_client):
+    return ReplayStore.from_url(redis_server.url)
+
+
+def test_batch_mixes_unused_and_replayed_within_the_cap(store):
+    store.configure("j", ReplayConfig(replay_cap=0.5, max_staleness=10))
+    store.put("j", group("a") + group("b"))
+    first = store.lease("j", 8, 30, timeout_s=0.1)
+    store.release("j", first.lease_id)
+    # Only 4 unused samples now: with σ = 0.5 a batch of 8 may take 4 replayed.
+    store.put("j", group("c"))
+    batch = store.lease("j", 8, 30, timeout_s=0.1)
+    assert batch is not None
+    unused = [t for t in batch.trajectories if t.uses == 0]
+    replayed = [t for t in batch.trajectories if t.uses > 0]
+    assert {t.group_id for t in unused} == {"c"}
+    assert len(replayed) == 4 and all(t.uses == 1 for t in replayed)
+
+
+def test_too_few_unused_samples_wait_rather_than_break_the_cap(store):
+    store.configure("j", ReplayConfig(replay_cap=0.5, max_staleness=10))
+    store.put("j", group("a") + group("b"))
+    store.release("j", store.lease("j", 8, 30, timeout_s=0.1).lease_id)
+    # 8 replayable samples but no unused ones: a batch of 8 needs at least 4 unused.
+    assert store.lease("j", 8, 30, timeout_s=0.2) is None
+    # With σ = 0 replay is off: unused alone must fill the batch.
+    store.configure("j", ReplayConfig(replay_cap=0.0, max_staleness=10))
+    store.put("j", group("c"))
+    assert store.lease("j", 8, 30, timeout_s=0.2) is None
+
+
+def test_publish_evicts_samples_older_than_delta(store):
+    store.configure("j", ReplayConfig(max_staleness=1))
+    store.put("j", group("old", version=0) + group("new", version=1))
+    assert store.publish_version("j", 1) == 0
+    assert store.publish_version("j", 2) == 4  # "old" (v0) < 2 - 1
+    stats = store.stats("j")
+    assert (stats.unused_samples, stats.evicted_total) == (4, 4)
+    # A group that arrives already too stale is counted and evicted at once.
+    assert store.put("j", group("late", version=0)) == 4
+    assert store.stats("j").evicted_total == 8
+    # A leased group that goes stale is evicted at release instead of replayed.
+    batch = store.lease("j", 4, 30, timeout_s=0.1)
+    store.publish_version("j", 3)
+    store.release("j", batch.lease_id)
+    stats = store.stats("j")
+    assert (stats.replay_samples, stats.evicted_total) == (0, 12)
+
+
+def test_max_use_count_filter_drops_after_the_last_allowed_use(store):
+    store.configure("j", ReplayConfig(replay_filter="max_use_count", filter_args={"max_uses": 1},
+                                      max_staleness=10))
+    store.put("j", group("a"))
+    store.release("j", store.lease("j", 4, 30, timeout_s=0.1).lease_id)
+    stats = store.stats("j")
+    assert (stats.replay_samples, stats.dropped_total) == (0, 4)
+
+
+def test_non_zero_advantage_filter_shrinks_the_group(store):
+    store.configure("j", ReplayConfig(replay_filter="non_zero_advantage", max_staleness=10))
+    store.put("j", group("a", advantages=[1.0, 0.0, -1.0, 0.0]))
+    store.release("j", store.lease("j", 4, 30, timeout_s=0.1).lease_id)
+    stats = store.stats("j")
+    assert (stats.replay_samples, stats.dropped_total) == (2, 2)
+    store.put("j", group("b"))
+    store.put("j", group("c", size=2))
+    batch = store.lease("j", 8, 30, timeout_s=0.1)
+    kept = sorted(t.sample_id for t in batch.trajectories if t.group_id == "a")
+    assert kept in ([], ["a-0", "a-2"])
+
+
+def test_medium_reward_sampler_skips_solved_and_unsolved_groups(store):
+    store.configure("j", ReplayConfig(sampler="medium_reward", replay_cap=0.0, max_staleness=10))
+    store.put("j", group("solved", rewards=[1.0] * 4) + group("unsolved", rewards=[0.0] * 4))
+    assert store.lease("j", 4, 30, timeout_s=0.1) is None
+    store.put("j", group("mixed", rewards=[1.0, 0.0, 1.0, 0.0]))
+    batch = store.lease("j", 4, 30, timeout_s=0.1)
+    assert {t.group_id for t in batch.trajectories} == {"mixed"}
+
+
+def test_user_plugins_load_by_import_path():
+    config = ReplayConfig(sampler="reflow.replay.plugins:UniformSampler",
+                          replay_filter="reflow.replay.plugins:MaxUseCount",
+                          filter_args={"max_uses": 3})
+    assert config.filter_args == {"max_uses": 3}
+    with pytest.raises(ValueError, match="cannot import"):
+        ReplayConfig(sampler="nowhere.module:Thing")

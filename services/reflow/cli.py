@@ -4,6 +4,7 @@
     reflow serve {api,scheduler,replay,rollout,trainer} [--port P]
     reflow submit CONFIG [--url URL] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL]
+    reflow bench modes --out DIR [section.field=value ...]
 
 Imports stay lazy so that `reflow --help` answers at once.
 """
@@ -85,6 +86,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "modes":
+        from reflow.benchmarks.modes import main as modes
+
+        return modes(args.rest)
+    raise SystemExit(f"unknown benchmark {args.benchmark!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="Replay-driven RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("job_id", nargs="?")
     jobs.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"))
     jobs.set_defaults(fn=cmd_jobs)
+
+    bench = sub.add_parser("bench", help="run a benchmark (modes: the four modes side by side)")
+    bench.add_argument("benchmark", choices=["modes"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(fn=cmd_bench)
     return parser
 
 

@@ -4,7 +4,7 @@ and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 Environment: REDIS_URL (replay, scheduler; an embedded Redis starts when it
 is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
 (scheduler), REFLOW_SCHEDULER_ADDRESS (api), REFLOW_METRICS_PORT (Prometheus
-/metrics of the replay buffer).
+/metrics of the replay buffer, rollout worker and trainer).
 """
 
 from __future__ import annotations
@@ -67,14 +67,21 @@ def serve_service(name: str, host: str, port: int) -> int:
         from reflow.rollout.server import serve
         from reflow.rollout.service import RolloutService
 
+        from reflow.rollout.metrics import rollout_registry
+
         core = RolloutService()
+        _start_metrics_server(rollout_registry(core))
         server, _ = serve(core, address)
         shutdown = core.shutdown
     elif name == "trainer":
         from reflow.trainer.server import serve
         from reflow.trainer.service import TrainerService
 
-        core = TrainerService()
+        from reflow.trainer.metrics import TrainerMetrics
+
+        metrics = TrainerMetrics()
+        core = TrainerService(metrics=metrics)
+        _start_metrics_server(metrics.registry)
         server, _ = serve(core, address)
         shutdown = lambda: None  # noqa: E731 - the train thread dies with the process
     elif name == "scheduler":

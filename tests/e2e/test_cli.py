@@ -120,3 +120,23 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model, target):
     assert not leftovers, [psutil.Process(p).cmdline() for p in leftovers]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phase"] == "STOPPED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("fully_async", 1),
+                                        ("reflow", 1)])
+def test_each_mode_keeps_its_staleness_guarantee(tmp_path, tiny_model, mode, bound):
+    out = tmp_path / mode
+    result = reflow("run", str(REPO / "examples" / "bench_modes.yaml"), "--out", str(out),
+                    f"mode={mode}", "trainer.num_steps=6", "trainer.batch_size=16",
+                    "rollout.group_size=4", "rollout.max_tokens=24", f"model.path={tiny_model}",
+                    timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    assert max(r["max_staleness"] for r in records) <= bound
+    if mode != "reflow":
+        assert all(r["replay_samples"] == 0 for r in records)
+    if mode == "sync":
+        # Trained on data from exactly the current policy, every step.
+        assert all(r["fresh_samples"] == 16 for r in records)

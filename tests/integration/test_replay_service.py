@@ -6,18 +6,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from reflow.core.types import Segment, Trajectory
 from reflow.replay.client import GrpcReplayClient
 from reflow.replay.server import serve
+from reflow.core.types import Segment
 from reflow.replay.store import ReplayStore
-
-
-def make_group(group_id: str, size: int = 4, version: int = 0) -> list[Trajectory]:
-    return [
-        Trajectory(f"{group_id}-{i}", group_id, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [1, 1, 1],
-                   [Segment(version, 3)], reward=float(i), advantage=float(i) - 1.5)
-        for i in range(size)
-    ]
+from tests.integration.samples import make_group
 
 
 @pytest.fixture

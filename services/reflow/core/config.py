@@ -64,7 +64,13 @@ class RolloutConfig(_Section):
     max_inflight_samples: int = Field(
         default=64,
         ge=1,
-        description="B_max: most samples admitted to rollout workers ahead of training.",
+        description="Concurrency cap: most samples generating at once on a rollout worker.",
+    )
+    max_samples_per_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="B_max: most samples dispatched to rollout per training step (paper §4.1 "
+        "step 1). None: trainer.batch_size.",
     )
     kv_cache_gb: float = Field(
         default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
@@ -120,7 +126,7 @@ class ReplayConfig(_Section):
     sampler: str = Field(
         default="uniform",
         min_length=1,
-        description="Which candidates a batch takes: uniform, medium_reward, or "
+        description="Which candidates a batch takes: uniform, fifo, medium_reward, or "
         "package.module:Class.",
     )
     sampler_args: dict[str, float | int | str] = Field(
@@ -140,13 +146,6 @@ class ReplayConfig(_Section):
         gt=0.0,
         description="A sampled batch stays leased this long; unreleased samples then return.",
     )
-    max_unused_samples: int = Field(
-        default=128,
-        ge=1,
-        description="Rollout back-pressure: generation pauses while this many unused samples "
-        "wait in the buffer.",
-    )
-
     @model_validator(mode="after")
     def _check_plugins(self) -> ReplayConfig:
         # Resolve the plug-ins now so a typo fails at submission, not mid-run.
@@ -157,9 +156,34 @@ class ReplayConfig(_Section):
         return self
 
 
+Mode = Literal["sync", "one_step_off", "fully_async", "reflow"]
+
+# What each mode fixes (paper §7.2 baselines, all on ReFlow's own code paths).
+# A field a mode fixes may be left out of the spec; set to anything else, it is
+# rejected rather than silently overridden.
+MODE_PRESETS: dict[str, dict[tuple[str, str], Any]] = {
+    # Generate a batch with the current weights, train, sync: staleness 0, the
+    # rollout idles while the trainer works (verl's synchronous trainer).
+    "sync": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 0,
+             ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo"},
+    # Rollout of step k+1 overlaps training of step k: staleness 1, no replay.
+    "one_step_off": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 1,
+                     ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo"},
+    # Streaming + partial rollout + staleness bound δ, no replay.
+    "fully_async": {("replay", "replay_cap"): 0.0},
+    # fully_async + replay (σ, τ, δ).
+    "reflow": {},
+}
+
+
 class JobSpec(_Section):
     """A whole RL job. See examples/quickstart.yaml."""
 
+    mode: Mode = Field(
+        default="reflow",
+        description="sync | one_step_off | fully_async | reflow: the baselines of paper §7 "
+        "and ReFlow itself, on the same code paths.",
+    )
     name: str = Field(
         default="job", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
     )
@@ -169,6 +193,29 @@ class JobSpec(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+
+    @model_validator(mode="after")
+    def _apply_mode(self) -> JobSpec:
+        for (section_name, field), value in MODE_PRESETS[self.mode].items():
+            section = getattr(self, section_name)
+            if field in section.model_fields_set and getattr(section, field) != value:
+                raise ValueError(
+                    f"mode={self.mode} fixes {section_name}.{field} to {value!r}, got "
+                    f"{getattr(section, field)!r}; leave it out or use mode=reflow"
+                )
+            setattr(section, field, value)
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        """B_max (paper §4.1 step 1)."""
+        return self.rollout.max_samples_per_step or self.trainer.batch_size
+
+    @property
+    def dispatch_ahead_versions(self) -> int:
+        """How many policy versions ahead of the trainer rollout may dispatch: none in
+        sync mode, one in one_step_off, δ in the asynchronous modes."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.replay.max_staleness)
 
     @model_validator(mode="after")
     def _check_groups_fit(self) -> JobSpec:

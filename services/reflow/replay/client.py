@@ -5,10 +5,13 @@ implementation for separate processes and an in-process one (over a
 from __future__ import annotations
 
 import abc
+import logging
 
 from reflow.core.config import ReplayConfig
 from reflow.core.types import Batch, Trajectory
 from reflow.replay.store import BufferStats, ReplayStore
+
+logger = logging.getLogger(__name__)
 
 
 class ReplayClient(abc.ABC):
@@ -62,20 +65,43 @@ class InprocReplayClient(ReplayClient):
 
 
 class GrpcReplayClient(ReplayClient):
-    def __init__(self, address: str, deadline_s: float = 30.0) -> None:
+    """gRPC client. Every call retries while the buffer is unreachable (a restart
+    or a rolling update), for up to `retry_s`: put, release, configure and publish
+    are idempotent, and a sample retried after a lost reply leaves an orphan
+    lease that expires and gives its samples back."""
+
+    def __init__(self, address: str, deadline_s: float = 30.0, retry_s: float = 120.0) -> None:
         from reflow import rpc
         from reflow.v1 import replay_pb2_grpc
 
         self.address = address
         self.deadline_s = deadline_s
+        self.retry_s = retry_s
         self._channel = rpc.channel(address)
         self._stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
+
+    def _call(self, method: str, request, timeout: float):
+        import time
+
+        import grpc
+
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.1
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=timeout)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                    raise
+                logger.warning("replay buffer %s unavailable (%s); retrying", self.address, method)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def configure(self, job_id: str, config: ReplayConfig) -> None:
         from reflow.v1 import replay_pb2
 
         req = replay_pb2.ConfigureRequest(job_id=job_id, replay_config_json=config.model_dump_json())
-        self._stub.Configure(req, timeout=self.deadline_s)
+        self._call("Configure", req, self.deadline_s)
 
     def put(self, job_id: str, trajectories: list[Trajectory]) -> int:
         from reflow.v1 import replay_pb2
@@ -84,7 +110,7 @@ class GrpcReplayClient(ReplayClient):
         req = replay_pb2.PutRequest(
             job_id=job_id, trajectories=[trajectory_to_proto(t) for t in trajectories]
         )
-        return self._stub.Put(req, timeout=self.deadline_s).accepted
+        return self._call("Put", req, self.deadline_s).accepted
 
     def sample(self, job_id: str, batch_size: int, lease_ttl_s: float,
                timeout_s: float) -> Batch | None:
@@ -95,7 +121,7 @@ class GrpcReplayClient(ReplayClient):
             job_id=job_id, batch_size=batch_size, lease_ttl_s=lease_ttl_s, timeout_s=timeout_s
         )
         # The server waits up to timeout_s; the deadline leaves room for the transfer.
-        reply = self._stub.Sample(req, timeout=timeout_s + self.deadline_s)
+        reply = self._call("Sample", req, timeout_s + self.deadline_s)
         if not reply.lease_id:
             return None
         return Batch(
@@ -111,18 +137,18 @@ class GrpcReplayClient(ReplayClient):
         stats = [replay_pb2.SampleStats(sample_id=sid, values=values)
                  for sid, values in (sample_stats or {}).items()]
         req = replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id, stats=stats)
-        return self._stub.Release(req, timeout=self.deadline_s).released
+        return self._call("Release", req, self.deadline_s).released
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         from reflow.v1 import replay_pb2
 
         req = replay_pb2.PublishVersionRequest(job_id=job_id, policy_version=policy_version)
-        self._stub.PublishVersion(req, timeout=self.deadline_s)
+        self._call("PublishVersion", req, self.deadline_s)
 
     def stats(self, job_id: str) -> BufferStats:
         from reflow.v1 import common_pb2
 
-        m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        m = self._call("GetStats", common_pb2.JobRef(job_id=job_id), self.deadline_s)
         return BufferStats(**{f: getattr(m, f) for f in BufferStats.__dataclass_fields__})
 
     def close(self) -> None:

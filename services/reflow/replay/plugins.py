@@ -69,6 +69,14 @@ class UniformSampler:
         return ranked
 
 
+class FifoSampler:
+    """Oldest policy version first, then oldest arrival: the order a synchronous or
+    one-step-off trainer consumes its batches in."""
+
+    def rank(self, candidates: list[GroupInfo], rng: random.Random) -> list[GroupInfo]:
+        return sorted(candidates, key=lambda c: (c.oldest_version, c.created_at))
+
+
 class MediumRewardSampler:
     """Only groups whose mean reward lies strictly between `low` and `high`:
     neither solved by every sample nor by none (§4.2, after DAPO). Such groups
@@ -114,7 +122,11 @@ class NonZeroAdvantage:
         return abs(sample.advantage) > self.eps
 
 
-SAMPLERS: dict[str, type] = {"uniform": UniformSampler, "medium_reward": MediumRewardSampler}
+SAMPLERS: dict[str, type] = {
+    "uniform": UniformSampler,
+    "fifo": FifoSampler,
+    "medium_reward": MediumRewardSampler,
+}
 FILTERS: dict[str, type] = {
     "accept_all": AcceptAll,
     "max_use_count": MaxUseCount,
@@ -137,23 +149,22 @@ def _resolve(name: str, registry: dict[str, type], field_name: str) -> type:
         raise ValueError(f"{field_name}: cannot import {name!r}: {err}") from None
 
 
-def load_sampler(name: str, args: dict[str, Any] | None = None) -> Sampler:
-    cls = _resolve(name, SAMPLERS, "replay.sampler")
+def _load(name: str, args: dict[str, Any] | None, registry: dict[str, type], field_name: str,
+          protocol: type, method: str):
+    cls = _resolve(name, registry, f"replay.{field_name}")
+    args_field = "sampler_args" if field_name == "sampler" else "filter_args"
     try:
-        sampler = cls(**(args or {}))
+        plugin = cls(**(args or {}))
     except TypeError as err:
-        raise ValueError(f"replay.sampler_args: {err}") from None
-    if not isinstance(sampler, Sampler):
-        raise ValueError(f"replay.sampler: {name!r} has no rank(candidates, rng) method")
-    return sampler
+        raise ValueError(f"replay.{args_field}: {err}") from None
+    if not isinstance(plugin, protocol):
+        raise ValueError(f"replay.{field_name}: {name!r} has no {method} method")
+    return plugin
+
+
+def load_sampler(name: str, args: dict[str, Any] | None = None) -> Sampler:
+    return _load(name, args, SAMPLERS, "sampler", Sampler, "rank(candidates, rng)")
 
 
 def load_filter(name: str, args: dict[str, Any] | None = None) -> ReplayFilter:
-    cls = _resolve(name, FILTERS, "replay.replay_filter")
-    try:
-        replay_filter = cls(**(args or {}))
-    except TypeError as err:
-        raise ValueError(f"replay.filter_args: {err}") from None
-    if not isinstance(replay_filter, ReplayFilter):
-        raise ValueError(f"replay.replay_filter: {name!r} has no keep(sample) method")
-    return replay_filter
+    return _load(name, args, FILTERS, "replay_filter", ReplayFilter, "keep(sample)")

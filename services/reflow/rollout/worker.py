@@ -4,9 +4,9 @@ steps 1-2).
 
 The worker owns an asyncio loop on its own thread. Its hot loop admits GRPO
 groups while fewer than `max_inflight_samples` samples are in flight and the
-buffer is not backed up; each sample streams from the engine, and when a
-group's last sample finishes the group is scored, given group-normalised
-advantages and put. The worker knows nothing of training steps; it learns of
+per-step dispatch budget (B_max per training step, see `dispatch_budget`)
+allows; each sample streams from the engine, and when a group's last sample
+finishes the group is scored, given group-normalised advantages and put. The worker knows nothing of training steps; it learns of
 new policy versions only through `update_weights`.
 """
 
@@ -54,6 +54,7 @@ class RolloutCounters:
     finished_samples_total: int = 0
     idle_seconds_total: float = 0.0
     inflight_samples: int = 0
+    dispatched_samples: int = 0
     policy_version: int = 0
 
 
@@ -125,8 +126,6 @@ class RolloutWorker:
             logger.exception("rollout stop")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
-        if self.engine is not None:
-            self.engine.shutdown()
         if self.state in ("running", "starting"):
             self.state = "stopped"
 
@@ -179,32 +178,34 @@ class RolloutWorker:
         extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
         return self.counters.idle_seconds_total + extra
 
+    def dispatch_budget(self) -> int:
+        """Samples that may have been dispatched by now (paper §4.1 step 1): B_max per
+        training step, for the steps up to the current policy version plus the
+        mode's look-ahead (0 in sync, 1 in one_step_off, δ in the async modes)."""
+        steps = (self.counters.policy_version + 1 + self.spec.dispatch_ahead_versions)
+        return self.spec.samples_per_step * self.spec.trainer.sync_interval * steps
+
     async def _generate_forever(self) -> None:
         prompts = self.task.prompts()
         group_size = self.spec.rollout.group_size
-        budget = self.spec.rollout.max_inflight_samples
-        backlog_limit = self.spec.replay.max_unused_samples
-        unused = 0
-        last_check = 0.0
+        concurrency = self.spec.rollout.max_inflight_samples
         try:
             while not self._stopping:
-                # 1. Back-pressure: a buffer full of unused samples means the trainer
-                #    is behind; generating more would only make staler samples.
-                now = time.monotonic()
-                if now - last_check > 0.25:
-                    stats = await asyncio.to_thread(self.replay.stats, self.job_id)
-                    unused, last_check = stats.unused_samples, now
-                room = self.counters.inflight_samples + group_size <= budget
-                if room and not self._paused and unused + self.counters.inflight_samples < backlog_limit:
-                    # 2. Admit one group.
+                # Admit one GRPO group when (a) the worker's concurrency cap leaves
+                # room and (b) the per-step dispatch budget does: the budget is what
+                # bounds how far rollout runs ahead of training.
+                room = self.counters.inflight_samples + group_size <= concurrency
+                budget = self.counters.dispatched_samples + group_size <= self.dispatch_budget()
+                if room and budget and not self._paused:
                     prompt = next(prompts)
                     self.counters.inflight_samples += group_size
+                    self.counters.dispatched_samples += group_size
                     self._mark_busy()
                     task = asyncio.create_task(self._run_group(prompt))
                     self._group_tasks.add(task)
                     task.add_done_callback(self._group_tasks.discard)
                     continue
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.005)
         except Exception as err:  # noqa: BLE001 - reported through GetStats
             logger.exception("rollout loop failed")
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
@@ -268,3 +269,7 @@ class RolloutWorker:
         for task in list(self._group_tasks):
             task.cancel()
         await asyncio.gather(*self._group_tasks, return_exceptions=True)
+        # The engine's output handler lives on this loop: shut it down while the
+        # loop still runs.
+        if self.engine is not None:
+            self.engine.shutdown()

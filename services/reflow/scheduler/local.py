@@ -4,11 +4,13 @@ run it (`reflow serve <service>`).
 
 It places a job (replay buffer, rollout worker, trainer), waits until each
 reports healthy over grpc.health.v1, and tears everything down, process
-trees included, when the job ends.
+trees included, when the job ends. Each service also serves Prometheus
+metrics on a port of its own; `<run_dir>/endpoints.json` lists them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -36,9 +38,10 @@ class LocalBackend:
         self.redis_url = redis_url
         self.health_timeout_s = health_timeout_s
 
-    def _serve(self, service: str, port: int, log_dir: Path, extra: list[str] | None = None):
-        args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port), *(extra or [])]
-        return procs.spawn(args, str(log_dir / f"{service}.log"), env={"REDIS_URL": self.redis_url})
+    def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path):
+        args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
+        env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port)}
+        return procs.spawn(args, str(log_dir / f"{service}.log"), env=env)
 
     def place(self, job_id: str, run_dir: Path) -> Placement:
         log_dir = run_dir / "logs"
@@ -49,9 +52,14 @@ class LocalBackend:
             rollout_addresses=[f"127.0.0.1:{ports['rollout']}"],
             trainer_address=f"127.0.0.1:{ports['trainer']}",
         )
+        metrics_ports = {name: procs.free_port() for name in ports}
+        (run_dir / "endpoints.json").write_text(json.dumps({
+            name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
+            for name, port in ports.items()
+        }, indent=2))
         try:
             for name, port in ports.items():
-                placement.processes[name] = self._serve(name, port, log_dir)
+                placement.processes[name] = self._serve(name, port, metrics_ports[name], log_dir)
             for name, port in ports.items():
                 rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
         except Exception:

@@ -84,6 +84,7 @@ class TrainLoop:
         run_dir: str | None = None,
         device: torch.device | None = None,
         master_address: str = "127.0.0.1",
+        metrics: Any = None,
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -92,6 +93,7 @@ class TrainLoop:
         self.run_dir = Path(run_dir) if run_dir else None
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.master_address = master_address
+        self.metrics = metrics
         self.step = 0
         self.policy_version = 0
         self.last_metrics: dict[str, Any] = {}
@@ -300,6 +302,8 @@ class TrainLoop:
             self.job_id, record["step"], record["policy_version"], record["reward_mean"],
             record["trainer_tokens_per_s"], record["trainer_idle_ratio"],
         )
+        if self.metrics is not None:
+            self.metrics.observe(self.job_id, record)
         if self.run_dir is not None:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")

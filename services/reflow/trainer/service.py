@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 class TrainerService:
     def __init__(self, replay_client_factory=GrpcReplayClient,
-                 rollout_client_factory=GrpcRolloutClient) -> None:
+                 rollout_client_factory=GrpcRolloutClient, metrics=None) -> None:
+        self.metrics = metrics
         self._replay_client_factory = replay_client_factory
         self._rollout_client_factory = rollout_client_factory
         self._lock = threading.Lock()
@@ -43,6 +44,7 @@ class TrainerService:
             self.loop = TrainLoop(
                 job_id, spec, replay, rollouts, run_dir=run_dir or None,
                 master_address=os.environ.get("REFLOW_POD_IP", "127.0.0.1"),
+                metrics=self.metrics,
             )
             self._thread = threading.Thread(target=self._run, name="train-loop", daemon=True)
             self._thread.start()

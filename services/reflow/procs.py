@@ -31,6 +31,34 @@ def tune_gc(gen0_threshold: int = 50_000) -> None:
     gc.set_threshold(gen0_threshold, gen1, gen2)
 
 
+CPU_AFFINITY_ENV = "REFLOW_CPU_AFFINITY"
+
+
+def split_cpus(cpus: list[int]) -> tuple[list[int], list[int]]:
+    """Split this machine's CPUs between a rollout engine (first half) and a trainer
+    (the rest), so that the two never share a core: an OpenMP team that shares a
+    core with a busy engine thread runs at the pace of its slowest member."""
+    if len(cpus) < 2:
+        return cpus, cpus
+    half = max(1, len(cpus) // 2)
+    return cpus[:half], cpus[half:]
+
+
+def cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def apply_cpu_affinity() -> int | None:
+    """Pin this process to the CPUs in REFLOW_CPU_AFFINITY ("1,2,3"), if set, and
+    return how many; torch users then size their thread pool to match."""
+    raw = os.environ.get(CPU_AFFINITY_ENV)
+    if not raw:
+        return None
+    cpus = {int(c) for c in raw.split(",") if c.strip()}
+    os.sched_setaffinity(0, cpus)
+    return len(cpus)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -47,6 +47,9 @@ def _start_metrics_server(registry) -> None:
 
 
 def serve_service(name: str, host: str, port: int) -> int:
+    from reflow.procs import apply_cpu_affinity
+
+    apply_cpu_affinity()
     address = f"{host}:{port}"
     embedded = None
     if name == "api":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +41,21 @@ class LocalBackend:
 
     def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path):
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
-        env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port)}
+        env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
+               **self._cpu_env(service)}
         return procs.spawn(args, str(log_dir / f"{service}.log"), env=env)
+
+    def _cpu_env(self, service: str) -> dict[str, str]:
+        """On one machine the rollout engine and the trainer get disjoint cores (what
+        separate GPUs are to a cluster). REFLOW_PIN_CPUS=0 turns this off."""
+        if os.environ.get("REFLOW_PIN_CPUS", "1") == "0":
+            return {}
+        rollout_cpus, trainer_cpus = procs.split_cpus(sorted(os.sched_getaffinity(0)))
+        if service == "rollout":
+            return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(rollout_cpus)}
+        if service == "trainer":
+            return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus)}
+        return {}
 
     def place(self, job_id: str, run_dir: Path) -> Placement:
         log_dir = run_dir / "logs"

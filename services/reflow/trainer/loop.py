@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +111,9 @@ class TrainLoop:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(self.spec.seed)
+        if self.device.type == "cpu":
+            # One OpenMP thread per core this process may use (see procs.split_cpus).
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         dtype = getattr(torch, self.spec.model.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=dtype)

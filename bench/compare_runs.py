@@ -1,0 +1,58 @@
+"""Compare the learning curves of finished runs, step for step.
+
+    python bench/compare_runs.py runs/a runs/b ... [--out FILE]
+
+For each run directory prints the mean reward of the first 10, the last 10
+and the last 50 steps and over all steps, the mean replay fraction and the
+samples evicted for staleness; with --out writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from reflow.report import read_metrics
+
+
+def stats(run_dir: Path) -> dict:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if not records:
+        raise SystemExit(f"{run_dir}: no metrics.jsonl records")
+    rewards = [r["reward_mean"] for r in records]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "run": str(run_dir),
+        "steps": len(records),
+        "reward_first10": mean(rewards[:10]),
+        "reward_last10": mean(rewards[-10:]),
+        "reward_last50": mean(rewards[-50:]),
+        "reward_all_steps": mean(rewards),
+        "replay_fraction": mean([r.get("replay_fraction", 0.0) for r in records]),
+        "evicted_samples": records[-1].get("evicted_samples_total", 0),
+        "trainer_tokens_per_s": sum(r["trained_tokens"] for r in records)
+        / sum(r["step_time_s"] for r in records),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows = [stats(r) for r in args.runs]
+    print(f"{'run':<40}{'first10':>8}{'last10':>8}{'last50':>8}{'all':>8}{'replay':>8}"
+          f"{'evicted':>9}{'tok/s':>8}")
+    for r in rows:
+        print(f"{Path(r['run']).name:<40}{r['reward_first10']:>8.3f}{r['reward_last10']:>8.3f}"
+              f"{r['reward_last50']:>8.3f}{r['reward_all_steps']:>8.3f}{r['replay_fraction']:>8.2f}"
+              f"{r['evicted_samples']:>9}{r['trainer_tokens_per_s']:>8.0f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

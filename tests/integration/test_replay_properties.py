@@ -74,7 +74,10 @@ def test_replay_invariants(redis_server, steps, replay_cap, max_staleness, max_u
         s = store.stats(job)
         assert s.put_total == len(put_ids)
         assert s.put_total == (s.unused_samples + s.replay_samples + s.leased_samples
-                               + s.evicted_total + s.dropped_total)
+                               + s.evicted_total + s.dropped_total + s.retired_total)
+        assert s.evicted_unused_total <= s.evicted_total
+        if replay_cap == 0.0:
+            assert s.replay_samples == 0 and s.dropped_total == 0
         live = {k.decode() for k in store.redis.hkeys(store._key(job, "samples"))}
         assert live <= put_ids
         assert len(live) == s.unused_samples + s.replay_samples + s.leased_samples
@@ -83,4 +86,6 @@ def test_replay_invariants(redis_server, steps, replay_cap, max_staleness, max_u
         store.release(job, lease_id)
     s = store.stats(job)
     assert s.leased_samples == 0 and s.outstanding_leases == 0
-    assert s.trained_unused_total + s.unused_samples + s.evicted_total >= 0
+    # Every sample trained for the first time is retired, replayable, filtered out or
+    # evicted after training; the rest were never trained.
+    assert s.trained_unused_total + s.unused_samples + s.evicted_unused_total == s.put_total

@@ -39,6 +39,13 @@ class _StoreCollector:
                 labels=["job"]),
             "evicted_total": CounterMetricFamily(
                 "reflow_replay_evicted_samples", "Samples evicted for staleness (δ).", labels=["job"]),
+            "evicted_unused_total": CounterMetricFamily(
+                "reflow_replay_evicted_unused_samples",
+                "Samples evicted for staleness before any training (wasted rollouts).",
+                labels=["job"]),
+            "retired_total": CounterMetricFamily(
+                "reflow_replay_retired_samples", "Trained samples retired because replay is off.",
+                labels=["job"]),
             "dropped_total": CounterMetricFamily(
                 "reflow_replay_filter_dropped_samples", "Samples the replay filter dropped.",
                 labels=["job"]),

@@ -42,6 +42,7 @@ local version = tonumber(redis.call('GET', KEYS[8]) or '0')
 bump(KEYS[7], 'put_total', n)
 if tonumber(ARGV[3]) < version - tonumber(ARGV[4]) then
   bump(KEYS[7], 'evicted_total', n)
+  bump(KEYS[7], 'evicted_unused_total', n)
   return n
 end
 local ids = {}
@@ -94,14 +95,16 @@ return 1
 
 # KEYS: samples, members, meta, seq, replay, by_version, leases, lease_key, stats, version,
 #       sample_meta
-# ARGV: lease_id, max_staleness, then per group: gid, kept "sid,..." (may be ""), new meta
+# ARGV: lease_id, max_staleness, retire (1: replay is off, every sample leaves as
+#       trained), then per group: gid, kept "sid,..." (may be ""), new meta
 # Returns samples released, or -1 when the lease is unknown (released or expired).
 RELEASE = _SIZE + """
 if redis.call('EXISTS', KEYS[8]) == 0 then return -1 end
 local version = tonumber(redis.call('GET', KEYS[10]) or '0')
 local min_version = version - tonumber(ARGV[2])
+local retire = ARGV[3] == '1'
 local decisions = {}
-for i = 3, #ARGV, 3 do decisions[ARGV[i]] = {ARGV[i + 1], ARGV[i + 2]} end
+for i = 4, #ARGV, 3 do decisions[ARGV[i]] = {ARGV[i + 1], ARGV[i + 2]} end
 local released = 0
 local lease = redis.call('HGETALL', KEYS[8])
 for j = 1, #lease, 2 do
@@ -113,7 +116,10 @@ for j = 1, #lease, 2 do
   if kind == 'u' then bump(KEYS[9], 'trained_unused_total', size) end
   local oldest = tonumber(redis.call('ZSCORE', KEYS[6], gid) or '0')
   local d = decisions[gid]
-  if oldest < min_version then
+  if retire then
+    bump(KEYS[9], 'retired_total', size)
+    drop_group(KEYS[1], KEYS[11], KEYS[2], KEYS[3], KEYS[4], KEYS[6], gid)
+  elseif oldest < min_version then
     bump(KEYS[9], 'evicted_total', size)
     drop_group(KEYS[1], KEYS[11], KEYS[2], KEYS[3], KEYS[4], KEYS[6], gid)
   elseif d == nil or d[1] == '' then
@@ -189,6 +195,7 @@ for _, gid in ipairs(stale) do
   if field then
     local size = group_size(KEYS[2], gid)
     bump(KEYS[8], field, 0 - size)
+    if field == 'unused_samples' then bump(KEYS[8], 'evicted_unused_total', size) end
     evicted = evicted + size
     drop_group(KEYS[1], KEYS[10], KEYS[2], KEYS[3], KEYS[4], KEYS[7], gid)
   end

@@ -73,8 +73,13 @@ class BufferStats:
     put_total: int = 0
     trained_total: int = 0
     trained_unused_total: int = 0
+    # Samples that left for staleness (δ); of those, the ones never trained on
+    # (wasted rollouts).
     evicted_total: int = 0
+    evicted_unused_total: int = 0
+    # Samples the replay filter did not keep, and (with σ = 0) trained samples retired.
     dropped_total: int = 0
+    retired_total: int = 0
     expired_leases_total: int = 0
     outstanding_leases: int = 0
 
@@ -299,8 +304,10 @@ class ReplayStore:
         metas = self.redis.hmget(self._key(job_id, "meta"), group_ids)
         members = self.redis.hmget(self._key(job_id, "members"), group_ids)
         sample_stats = sample_stats or {}
-        args: list[str | int] = [lease_id, config.max_staleness]
-        for gid, meta, m in zip(group_ids, metas, members):
+        # With σ = 0 nothing can ever be replayed: trained samples simply leave.
+        retire = config.replay_cap == 0.0
+        args: list[str | int] = [lease_id, config.max_staleness, int(retire)]
+        for gid, meta, m in zip(group_ids if not retire else [], metas, members):
             if meta is None or m is None:
                 continue
             info = _parse_meta(gid, meta)

@@ -290,6 +290,7 @@ class TrainLoop:
             "unused_pool_samples": buffer.unused_samples,
             "replay_pool_samples": buffer.replay_samples,
             "evicted_samples_total": buffer.evicted_total,
+            "evicted_unused_samples_total": buffer.evicted_unused_total,
             "filter_dropped_samples_total": buffer.dropped_total,
             "outstanding_leases": buffer.outstanding_leases,
             "loss": loss_stats.loss,

@@ -91,7 +91,7 @@ class PublishVersionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases", "replay_samples", "trained_unused_total", "evicted_total", "dropped_total")
+    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases", "replay_samples", "trained_unused_total", "evicted_total", "dropped_total", "evicted_unused_total", "retired_total")
     UNUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LEASED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class BufferStats(_message.Message):
     TRAINED_UNUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_UNUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     unused_samples: int
     leased_samples: int
     policy_version: int
@@ -114,4 +116,6 @@ class BufferStats(_message.Message):
     trained_unused_total: int
     evicted_total: int
     dropped_total: int
-    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ..., replay_samples: _Optional[int] = ..., trained_unused_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., dropped_total: _Optional[int] = ...) -> None: ...
+    evicted_unused_total: int
+    retired_total: int
+    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ..., replay_samples: _Optional[int] = ..., trained_unused_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., dropped_total: _Optional[int] = ..., evicted_unused_total: _Optional[int] = ..., retired_total: _Optional[int] = ...) -> None: ...

@@ -156,7 +156,12 @@ class RolloutWorker:
         # Let the output handler hand over tokens generated before the pause.
         await asyncio.sleep(0)
         t1 = time.perf_counter()
-        receive_s = await self.engine.receive_weights()
+        try:
+            receive_s = await self.engine.receive_weights()
+        except Exception as err:
+            # Half-loaded weights must not generate: fail loudly, stay paused.
+            self.state, self.error = "failed", f"weight update to v{policy_version}: {err}"
+            raise
         self.counters.policy_version = policy_version
         await self.engine.resume()
         self._paused = False

@@ -52,7 +52,11 @@ class LocalBackend:
             return {}
         rollout_cpus, trainer_cpus = procs.split_cpus(sorted(os.sched_getaffinity(0)))
         if service == "rollout":
-            return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(rollout_cpus)}
+            # The whole rollout process (vLLM's front end and engine core inherit it),
+            # not just the engine's OpenMP threads: its Python work would otherwise
+            # land on the trainer's cores.
+            return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(rollout_cpus),
+                    procs.CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus)}
         if service == "trainer":
             return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus)}
         return {}

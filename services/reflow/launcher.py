@@ -18,8 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from reflow.core.config import JobSpec, dump_job_spec
-
-TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+from reflow.scheduler.jobs import TERMINAL
 
 
 class _Progress:

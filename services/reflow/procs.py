@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 
 import psutil
 
@@ -128,12 +127,3 @@ def spawn(args: list[str], log_path: str, env: dict[str, str] | None = None) -> 
     )
     log.close()
     return proc
-
-
-def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return True
-        time.sleep(0.05)
-    return False

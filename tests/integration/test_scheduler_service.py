@@ -1,6 +1,5 @@
 """The scheduler over real gRPC with its job store in a real Redis."""
 
-import grpc
 import pytest
 import redis
 

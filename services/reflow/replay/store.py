@@ -54,7 +54,9 @@ import redis
 from reflow.core.config import ReplayConfig
 from reflow.core.types import Batch, Trajectory
 from reflow.replay import scripts
-from reflow.replay.plugins import GroupInfo, SampleInfo, load_filter, load_sampler
+from reflow.replay.plugins import (
+    GroupInfo, ReplayFilter, SampleInfo, Sampler, load_filter, load_sampler,
+)
 from reflow.wire import trajectory_from_bytes, trajectory_to_bytes
 
 logger = logging.getLogger(__name__)
@@ -124,7 +126,9 @@ class ReplayStore:
         self._release = client.register_script(scripts.RELEASE)
         self._expire = client.register_script(scripts.EXPIRE)
         self._publish = client.register_script(scripts.PUBLISH)
-        self._configs: dict[str, tuple[bytes, ReplayConfig]] = {}
+        # Per job: the stored config's bytes, and the config and plug-ins built from
+        # them, rebuilt only when the stored config changes.
+        self._configs: dict[str, tuple[bytes, ReplayConfig, Sampler, ReplayFilter]] = {}
 
     @classmethod
     def from_url(cls, url: str) -> ReplayStore:
@@ -145,13 +149,18 @@ class ReplayStore:
         """Store the job's replay settings (σ, δ, plug-ins) where every buffer replica sees them."""
         self.redis.set(self._key(job_id, "config"), config.model_dump_json())
 
-    def config(self, job_id: str) -> ReplayConfig:
+    def _job_settings(self, job_id: str) -> tuple[ReplayConfig, Sampler, ReplayFilter]:
         raw = self.redis.get(self._key(job_id, "config")) or b"{}"
         cached = self._configs.get(job_id)
         if cached is None or cached[0] != raw:
-            cached = (raw, ReplayConfig.model_validate_json(raw))
+            config = ReplayConfig.model_validate_json(raw)
+            cached = (raw, config, load_sampler(config.sampler, config.sampler_args),
+                      load_filter(config.replay_filter, config.filter_args))
             self._configs[job_id] = cached
-        return cached[1]
+        return cached[1], cached[2], cached[3]
+
+    def config(self, job_id: str) -> ReplayConfig:
+        return self._job_settings(job_id)[0]
 
     # --- put ---------------------------------------------------------------------
 
@@ -232,8 +241,7 @@ class ReplayStore:
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.expire_leases(job_id)
-        config = self.config(job_id)
-        sampler = load_sampler(config.sampler, config.sampler_args)
+        config, sampler, _ = self._job_settings(job_id)
         # σ bounds the replay share; ceil keeps the bound on the safe side.
         min_unused = math.ceil(batch_size * (1.0 - config.replay_cap) - 1e-9)
         for _ in range(_CLAIM_RETRIES):
@@ -298,8 +306,7 @@ class ReplayStore:
         lease = self.redis.hgetall(self._key(job_id, f"lease:{lease_id}"))
         if not lease:
             return 0
-        config = self.config(job_id)
-        replay_filter = load_filter(config.replay_filter, config.filter_args)
+        config, _, replay_filter = self._job_settings(job_id)
         group_ids = [g.decode() for g in lease]
         metas = self.redis.hmget(self._key(job_id, "meta"), group_ids)
         members = self.redis.hmget(self._key(job_id, "members"), group_ids)

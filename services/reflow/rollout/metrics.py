@@ -18,23 +18,22 @@ class RolloutCollector:
         worker = self.service.worker
         if worker is None:
             return
-        job, c = worker.job_id, worker.counters
-        tokens = CounterMetricFamily("reflow_rollout_generated_tokens", "Tokens generated.",
-                                     labels=["job"])
-        tokens.add_metric([job], c.generated_tokens_total)
-        samples = CounterMetricFamily("reflow_rollout_finished_samples", "Samples finished.",
-                                      labels=["job"])
-        samples.add_metric([job], c.finished_samples_total)
-        idle = CounterMetricFamily("reflow_rollout_idle_seconds",
-                                   "Time with nothing in flight.", labels=["job"])
-        idle.add_metric([job], worker.idle_seconds())
-        inflight = GaugeMetricFamily("reflow_rollout_inflight_samples", "Samples generating now.",
-                                     labels=["job"])
-        inflight.add_metric([job], c.inflight_samples)
-        version = GaugeMetricFamily("reflow_rollout_policy_version", "Policy version loaded.",
-                                    labels=["job"])
-        version.add_metric([job], c.policy_version)
-        yield from (tokens, samples, idle, inflight, version)
+        c = worker.counters
+        for family, name, doc, value in (
+            (CounterMetricFamily, "reflow_rollout_generated_tokens", "Tokens generated.",
+             c.generated_tokens_total),
+            (CounterMetricFamily, "reflow_rollout_finished_samples", "Samples finished.",
+             c.finished_samples_total),
+            (CounterMetricFamily, "reflow_rollout_idle_seconds", "Time with nothing in flight.",
+             worker.idle_seconds()),
+            (GaugeMetricFamily, "reflow_rollout_inflight_samples", "Samples generating now.",
+             c.inflight_samples),
+            (GaugeMetricFamily, "reflow_rollout_policy_version", "Policy version loaded.",
+             c.policy_version),
+        ):
+            metric = family(name, doc, labels=["job"])
+            metric.add_metric([worker.job_id], value)
+            yield metric
 
 
 def rollout_registry(service) -> CollectorRegistry:

@@ -2,8 +2,8 @@
 
     reflow run CONFIG [--out DIR] [--dry-run] [section.field=value ...]
     reflow serve {api,scheduler,replay,rollout,trainer} [--port P]
-    reflow submit CONFIG [--url URL] [section.field=value ...]
-    reflow jobs [JOB_ID] [--url URL]
+    reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
+    reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
 
 Imports stay lazy so that `reflow --help` answers at once.
@@ -59,14 +59,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_service(args.service, args.host, args.port)
 
 
+def _api_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.token}"} if args.token else {}
+
+
+def _api_error(reply) -> int:
+    try:
+        detail = reply.json().get("detail")
+    except ValueError:
+        detail = reply.text
+    print(f"error: {reply.status_code} {detail}", file=sys.stderr)
+    return 1
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     import httpx
 
     spec = _load_spec(args.config, args.overrides)
-    reply = httpx.post(f"{args.url}/v1/jobs", json=spec.model_dump(mode="json"), timeout=30)
+    body = spec.model_dump(mode="json")
+    if args.submission_id:
+        body["submission_id"] = args.submission_id
+    reply = httpx.post(f"{args.url}/v1/jobs", json=body, headers=_api_headers(args), timeout=30)
     if reply.status_code >= 400:
-        print(f"error: {reply.status_code} {reply.json().get('detail')}", file=sys.stderr)
-        return 1
+        return _api_error(reply)
     print(json.dumps(reply.json(), indent=2))
     return 0
 
@@ -74,13 +89,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     import httpx
 
-    path = f"/v1/jobs/{args.job_id}" if args.job_id else "/v1/jobs"
-    reply = httpx.get(f"{args.url}{path}", timeout=30)
-    if reply.status_code >= 400:
-        print(f"error: {reply.status_code} {reply.json().get('detail')}", file=sys.stderr)
-        return 1
-    body = reply.json()
-    for job in body if isinstance(body, list) else [body]:
+    headers = _api_headers(args)
+    if args.job_id:
+        reply = httpx.get(f"{args.url}/v1/jobs/{args.job_id}", headers=headers, timeout=30)
+        if reply.status_code >= 400:
+            return _api_error(reply)
+        jobs = [reply.json()]
+    else:
+        reply = httpx.get(f"{args.url}/v1/jobs", params={"limit": args.limit},
+                          headers=headers, timeout=30)
+        if reply.status_code >= 400:
+            return _api_error(reply)
+        jobs = reply.json()["jobs"]
+    for job in jobs:
         print(f"{job['job_id']:<32} {job['phase']:<10} step {job['step']}/{job['num_steps']} "
               f"reward {job['reward_mean']:.3f} {job['reason']}")
     return 0
@@ -114,13 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="submit a job to a running API")
     submit.add_argument("config")
     submit.add_argument("overrides", nargs="*", metavar="section.field=value")
-    submit.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"))
+    submit.add_argument("--submission-id", help="idempotency key and job id: resubmitting "
+                        "the same spec under it returns the existing job")
     submit.set_defaults(fn=cmd_submit)
 
     jobs = sub.add_parser("jobs", help="list jobs, or show one")
     jobs.add_argument("job_id", nargs="?")
-    jobs.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"))
+    jobs.add_argument("--limit", type=int, default=50, help="newest N jobs (1-1000)")
     jobs.set_defaults(fn=cmd_jobs)
+
+    for cmd in (submit, jobs):
+        cmd.add_argument("--url", default=os.environ.get("REFLOW_URL", "http://127.0.0.1:8000"),
+                         help="the REST API (env REFLOW_URL)")
+        cmd.add_argument("--token", default=os.environ.get("REFLOW_API_TOKEN", ""),
+                         help="API bearer token (env REFLOW_API_TOKEN)")
 
     bench = sub.add_parser("bench", help="run a benchmark (modes: the four modes side by side)")
     bench.add_argument("benchmark", choices=["modes"])

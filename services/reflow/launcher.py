@@ -80,19 +80,28 @@ def run_local(spec: JobSpec, out: str | None) -> int:
     try:
         redis = EmbeddedRedis(run_dir / "redis").start()
         env = {"REDIS_URL": redis.url, "REFLOW_RUNS_DIR": str(run_dir.parent)}
-        sched_port, api_port = procs.free_port(), procs.free_port()
-        started.append(_start("scheduler", sched_port, run_dir, env))
+        ports = {name: (procs.free_port(), procs.free_port()) for name in ("scheduler", "api")}
+        _record_endpoints(run_dir, {
+            "scheduler": {"grpc": f"127.0.0.1:{ports['scheduler'][0]}"},
+            "api": {"http": f"127.0.0.1:{ports['api'][0]}"},
+        }, {name: f"127.0.0.1:{metrics}" for name, (_, metrics) in ports.items()})
+        sched_port, api_port = ports["scheduler"][0], ports["api"][0]
+        started.append(_start("scheduler", sched_port, run_dir,
+                              {**env, "REFLOW_METRICS_PORT": str(ports["scheduler"][1])}))
         env["REFLOW_SCHEDULER_ADDRESS"] = f"127.0.0.1:{sched_port}"
-        started.append(_start("api", api_port, run_dir, env))
+        started.append(_start("api", api_port, run_dir,
+                              {**env, "REFLOW_METRICS_PORT": str(ports["api"][1])}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
         api = f"http://127.0.0.1:{api_port}"
         _wait_http(f"{api}/healthz", 60)
+        token = os.environ.get("REFLOW_API_TOKEN", "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         scheduler = GrpcSchedulerClient(f"127.0.0.1:{sched_port}")
         scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
         print(f"job {job_id}: run directory {run_dir}", flush=True)
         progress = _Progress(spec.trainer.num_steps)
         while True:
-            job = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10).json()
+            job = httpx.get(f"{api}/v1/jobs/{job_id}", headers=headers, timeout=10).json()
             progress.show(job)
             if job["phase"] in TERMINAL:
                 break
@@ -118,6 +127,13 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         plot(records, run_dir / "report.png", title=f"{spec.name} ({phase.lower()})")
     print(json.dumps(summary, indent=2))
     return 0 if phase == "SUCCEEDED" else 1
+
+
+def _record_endpoints(run_dir: Path, addresses: dict, metrics: dict[str, str]) -> None:
+    from reflow.scheduler.local import record_endpoints
+
+    record_endpoints(run_dir, {name: {**addresses[name], "metrics": metrics[name]}
+                               for name in addresses})
 
 
 def _wait_http(url: str, timeout_s: float) -> None:

@@ -76,9 +76,13 @@ def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
 
 def abort_on(context: grpc.ServicerContext, err: Exception) -> None:
     """Map a core exception to a status code: user errors are INVALID_ARGUMENT,
-    a missing job NOT_FOUND, anything else INTERNAL."""
-    if isinstance(err, KeyError):
-        context.abort(grpc.StatusCode.NOT_FOUND, str(err))
+    a missing job NOT_FOUND, a clash ALREADY_EXISTS, anything else INTERNAL."""
+    from reflow.core.errors import Conflict
+
+    if isinstance(err, KeyError):  # str(KeyError) would quote the message
+        context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]) if err.args else "not found")
+    if isinstance(err, Conflict):
+        context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
     if isinstance(err, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
     logger.exception("internal error in handler")

@@ -3,8 +3,8 @@ and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
 Environment: REDIS_URL (replay, scheduler; an embedded Redis starts when it
 is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
-(scheduler), REFLOW_SCHEDULER_ADDRESS (api), REFLOW_METRICS_PORT (Prometheus
-/metrics of the replay buffer, rollout worker and trainer).
+(scheduler), REFLOW_SCHEDULER_ADDRESS, REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES
+(api), REFLOW_METRICS_PORT (Prometheus /metrics of every service).
 """
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ def serve_service(name: str, host: str, port: int) -> int:
         url, embedded = _redis_url()
         core = Scheduler(JobStore(redis.Redis.from_url(url)), LocalBackend(url),
                          Path(os.environ.get("REFLOW_RUNS_DIR", "runs")))
+        from reflow.scheduler.metrics import scheduler_registry
+
         core.recover()
+        _start_metrics_server(scheduler_registry(core))
         server, _ = serve(core, address)
         shutdown = core.shutdown
     else:
@@ -117,10 +120,14 @@ def serve_service(name: str, host: str, port: int) -> int:
 
 def _serve_api(host: str, port: int) -> int:
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
-    from reflow.api.app import create_app
+    from reflow.api.app import ApiSettings, create_app
     from reflow.scheduler.client import GrpcSchedulerClient
 
+    registry = CollectorRegistry()
+    _start_metrics_server(registry)
     scheduler = GrpcSchedulerClient(os.environ.get("REFLOW_SCHEDULER_ADDRESS", "127.0.0.1:50051"))
-    uvicorn.run(create_app(scheduler), host=host, port=port or 8000, log_level="warning")
+    app = create_app(scheduler, ApiSettings.from_env(), registry)
+    uvicorn.run(app, host=host, port=port or 8000, log_level="warning")
     return 0

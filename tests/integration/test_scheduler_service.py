@@ -1,9 +1,11 @@
 """The scheduler over real gRPC with its job store in a real Redis."""
 
+import time
+
 import pytest
 import redis
 
-from reflow.core.errors import InvalidArgument, NotFound
+from reflow.core.errors import Conflict, InvalidArgument, NotFound
 from reflow.scheduler.client import GrpcSchedulerClient
 from reflow.scheduler.jobs import JobRecord, JobStore
 from reflow.scheduler.local import LocalBackend
@@ -45,14 +47,60 @@ def test_job_records_survive_a_scheduler_restart(redis_server, redis_client, tmp
         assert client.get("done").phase == "SUCCEEDED" and client.get("done").step == 5
         mid = client.get("mid")
         assert mid.phase == "FAILED" and "restarted" in mid.reason
-        assert {j.job_id for j in client.list()} == {"done", "mid"}
+        jobs, token = client.list()
+        assert {j.job_id for j in jobs} == {"done", "mid"} and token == ""
     finally:
         client.close()
         server.stop(0)
 
 
-def test_submission_with_a_known_id_is_idempotent(redis_server, redis_client):
+def test_store_create_keeps_the_first_record_of_an_id(redis_server, redis_client):
     store = JobStore(redis.Redis.from_url(redis_server.url))
-    first = store.create(JobRecord(job_id="j", name="a", spec_json="{}"))
-    again = store.create(JobRecord(job_id="j", name="other", spec_json="{}"))
+    first, created = store.create(JobRecord(job_id="j", name="a", spec_json="{}"))
+    again, created_again = store.create(JobRecord(job_id="j", name="other", spec_json="{}"))
+    assert (created, created_again) == (True, False)
     assert again.name == first.name == "a"
+
+
+def test_pages_are_stable_while_jobs_arrive(redis_server, redis_client):
+    store = JobStore(redis.Redis.from_url(redis_server.url))
+    for i in range(5):
+        store.create(JobRecord(job_id=f"j{i}", name="a", spec_json="{}"))
+    first, token = store.page(2)
+    assert [r.job_id for r in first] == ["j4", "j3"] and token
+    store.create(JobRecord(job_id="late", name="a", spec_json="{}"))  # must not shift page 2
+    second, token = store.page(2, token)
+    third, last = store.page(2, token)
+    assert [r.job_id for r in second] == ["j2", "j1"]
+    assert [r.job_id for r in third] == ["j0"] and last == ""
+    with pytest.raises(ValueError, match="page_token"):
+        store.page(2, "not-a-token")
+
+
+def test_step_metrics_are_kept_in_order_and_read_after_a_step(redis_server, redis_client):
+    store = JobStore(redis.Redis.from_url(redis_server.url))
+    store.create(JobRecord(job_id="m", name="a", spec_json="{}"))
+    store.append_metrics("m", [{"step": 2, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.1}])
+    store.append_metrics("m", [{"step": 3, "reward_mean": 0.3}])
+    assert [r["step"] for r in store.metrics("m")] == [1, 2, 3]
+    assert [r["step"] for r in store.metrics("m", since_step=1, limit=1)] == [2]
+    with pytest.raises(KeyError):
+        store.metrics("unknown")
+
+
+def test_resubmission_is_idempotent_and_a_changed_spec_conflicts(scheduler, tmp_path):
+    _, client = scheduler
+    spec = '{"model": {"path": "%s"}, "trainer": {"num_steps": 3}}' % (tmp_path / "absent")
+    job, created = client.submit(spec, job_id="once")
+    again, created_again = client.submit(spec, job_id="once")
+    assert (created, created_again) == (True, False) and again.job_id == job.job_id == "once"
+    with pytest.raises(Conflict, match="different spec"):
+        client.submit(spec.replace('"num_steps": 3', '"num_steps": 4'), job_id="once")
+    with pytest.raises(InvalidArgument, match="job_id"):
+        client.submit(spec, job_id="Not_A_Label")
+    # The model directory does not exist: the job fails with the field named.
+    deadline = time.monotonic() + 30
+    while (job := client.get("once")).phase not in ("FAILED", "SUCCEEDED"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert job.phase == "FAILED" and "model.path" in job.reason

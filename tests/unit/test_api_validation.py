@@ -14,7 +14,7 @@ class RecordingScheduler:
 
     def submit(self, spec_json, job_id="", run_dir=""):
         self.submitted.append(spec_json)
-        return JobRecord(job_id="j1", name="x", spec_json=spec_json, num_steps=3)
+        return JobRecord(job_id="j1", name="x", spec_json=spec_json, num_steps=3), True
 
     def get(self, job_id):
         raise NotFound(f"no job {job_id!r}")

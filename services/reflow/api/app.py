@@ -1,43 +1,121 @@
-"""The REST API: jobs in, status out. Transport only: it validates the
-JobSpec at the edge and forwards to the scheduler through its client.
+"""The REST API: jobs in, status, logs and metrics out. Transport only: it
+authenticates, validates the JobSpec at the edge and forwards to the
+scheduler through its client. Jobs live in the scheduler's Redis job store,
+so restarting the API loses nothing.
 
-    POST /v1/jobs          submit a JobSpec            201, 422 on a bad spec
-    GET  /v1/jobs          list jobs (newest first)
-    GET  /v1/jobs/{id}     one job's status            404 when unknown
-    POST /v1/jobs/{id}/stop
-    GET  /healthz
+    POST /v1/jobs                    submit a JobSpec (+ optional submission_id)
+    GET  /v1/jobs                    one page of jobs, newest first
+    GET  /v1/jobs/{id}               one job's status
+    POST /v1/jobs/{id}/stop          stop a job
+    GET  /v1/jobs/{id}/logs          its services' logs (text)
+    GET  /v1/jobs/{id}/metrics       its per-step training metrics
+    GET  /healthz, /openapi.json, /docs   open, no token
+
+Every /v1 route wants `Authorization: Bearer <token>` when a token is set.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
 
+from reflow.api.middleware import BodySizeLimit, RequestMetrics
 from reflow.core.config import JobSpec
-from reflow.core.errors import InvalidArgument, NotFound, Unavailable
-from reflow.scheduler.jobs import JobRecord
+from reflow.core.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from reflow.scheduler.jobs import LOG_SERVICES, JobRecord
 
 logger = logging.getLogger(__name__)
+
+SUBMISSION_ID_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class ApiSettings(BaseModel):
+    """How the API runs; read from the environment by `reflow serve api`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str = Field(default="", description="Bearer token every /v1 call must carry; "
+                       "empty turns auth off (local runs on loopback only).")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20,
+                                description="Largest request body accepted (413 above).")
+
+    @classmethod
+    def from_env(cls) -> "ApiSettings":
+        """REFLOW_API_TOKEN_FILE (a mounted Secret) wins over REFLOW_API_TOKEN."""
+        token = os.environ.get("REFLOW_API_TOKEN", "")
+        token_file = os.environ.get("REFLOW_API_TOKEN_FILE")
+        if token_file:
+            token = Path(token_file).read_text().strip()
+        raw_limit = os.environ.get("REFLOW_API_MAX_BODY_BYTES")
+        return cls(token=token, **({"max_body_bytes": int(raw_limit)} if raw_limit else {}))
+
+
+class JobSubmission(JobSpec):
+    """A JobSpec plus an optional client-chosen id. Resubmitting the same spec under
+    the same submission_id returns the existing job (200) instead of starting a
+    second one; a different spec under it is 409."""
+
+    submission_id: str | None = Field(
+        default=None, pattern=SUBMISSION_ID_PATTERN, max_length=63,
+        description="Idempotency key and job id: 1-63 lowercase letters, digits, '-'.")
 
 
 class JobStatus(BaseModel):
     job_id: str
     name: str
-    phase: str
+    phase: str = Field(description="PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED")
     reason: str
     step: int
     num_steps: int
     policy_version: int
     reward_mean: float
     trainer_tokens_per_s: float
-    created_at: float
-    started_at: float
-    finished_at: float
+    created_at: float = Field(description="Unix seconds.")
+    started_at: float = Field(description="Unix seconds; 0 before the job starts.")
+    finished_at: float = Field(description="Unix seconds; 0 until the job ends.")
+
+
+class JobPage(BaseModel):
+    jobs: list[JobStatus]
+    next_page_token: str = Field(description="Pass as page_token for the next page; "
+                                 "empty on the last page.")
+
+
+class JobMetrics(BaseModel):
+    job_id: str
+    records: list[dict[str, Any]] = Field(description="One record per training step, in order.")
+    next_since_step: int = Field(description="Pass as since_step to get the steps after these.")
+
+
+class FieldError(BaseModel):
+    field: str = Field(description="Dotted path of the offending field, e.g. trainer.batch_size.")
+    message: str
+
+
+class ApiError(BaseModel):
+    """Every error response: a message that names the field and the fix."""
+
+    detail: str
+    errors: list[FieldError] = Field(default_factory=list, description="Per-field detail (422).")
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ApiError, "description": "Missing or wrong bearer token."},
+    413: {"model": ApiError, "description": "Request body over the size limit."},
+    422: {"model": ApiError, "description": "Invalid request; the message names the field."},
+    503: {"model": ApiError, "description": "Scheduler unreachable; retry."},
+}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ApiError, "description": "No such job."}}
 
 
 def _status(r: JobRecord) -> JobStatus:
@@ -60,47 +138,108 @@ def _field_errors(err: RequestValidationError) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(scheduler) -> FastAPI:
-    """`scheduler` is a scheduler client (gRPC, or any object with the same methods)."""
+def _call(fn, *args):
+    """Scheduler errors to HTTP statuses."""
+    try:
+        return fn(*args)
+    except NotFound as err:
+        raise HTTPException(404, str(err)) from None
+    except Conflict as err:
+        raise HTTPException(409, str(err)) from None
+    except (InvalidArgument, ValueError) as err:
+        raise HTTPException(422, str(err)) from None
+    except Unavailable as err:
+        raise HTTPException(503, str(err), headers={"Retry-After": "5"}) from None
+
+
+def _auth_dependency(token: str):
+    bearer = HTTPBearer(auto_error=False, description="The API token (REFLOW_API_TOKEN).")
+
+    def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not token:
+            return
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise HTTPException(401, "missing bearer token; send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": 'Bearer realm="reflow"'})
+        if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+            raise HTTPException(401, "invalid bearer token",
+                                headers={"WWW-Authenticate": 'Bearer realm="reflow", '
+                                                             'error="invalid_token"'})
+
+    return require_token
+
+
+def create_app(scheduler, settings: ApiSettings | None = None,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """`scheduler` is a scheduler client (gRPC, or the in-process Scheduler core:
+    both have the same methods)."""
+    settings = settings or ApiSettings()
+    if not settings.token:
+        logger.warning("API token unset: /v1 routes are open; set REFLOW_API_TOKEN "
+                       "anywhere but a loopback-only local run")
     app = FastAPI(title="ReFlow", version="0.1.0",
                   description="Submit and watch replay-driven RL post-training jobs.")
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, registry=registry or CollectorRegistry())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         errors = _field_errors(err)
-        message = "invalid job spec: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+        message = "invalid request: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors)
         return JSONResponse(status_code=422, content={"detail": message, "errors": errors})
-
-    def _call(fn, *args):
-        try:
-            return fn(*args)
-        except NotFound as err:
-            raise HTTPException(404, str(err)) from None
-        except InvalidArgument as err:
-            raise HTTPException(422, str(err)) from None
-        except Unavailable as err:
-            raise HTTPException(503, str(err)) from None
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/jobs", status_code=201, response_model=JobStatus)
-    def submit(spec: JobSpec) -> JobStatus:
-        return _status(_call(scheduler.submit, spec.model_dump_json()))
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(settings.token))],
+                   responses=_ERRORS)
 
-    @app.get("/v1/jobs", response_model=list[JobStatus])
-    def list_jobs(limit: int = 100) -> list[JobStatus]:
-        if not 1 <= limit <= 1000:
-            raise HTTPException(422, "limit: must lie in [1, 1000]")
-        return [_status(r) for r in _call(scheduler.list, limit)]
+    @v1.post("/jobs", status_code=201, response_model=JobStatus,
+             responses={200: {"model": JobStatus, "description": "Same submission_id and spec "
+                              "as an existing job: that job."},
+                        409: {"model": ApiError,
+                              "description": "submission_id taken by a different spec."}})
+    def submit(submission: JobSubmission, response: Response) -> JobStatus:
+        spec_json = submission.model_dump_json(exclude={"submission_id"})
+        record, created = _call(scheduler.submit, spec_json, submission.submission_id or "")
+        if not created:
+            response.status_code = 200
+        return _status(record)
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobStatus)
+    @v1.get("/jobs", response_model=JobPage)
+    def list_jobs(limit: int = Query(100, ge=1, le=1000),
+                  page_token: str = Query("", max_length=32)) -> JobPage:
+        records, token = _call(scheduler.list, limit, page_token)
+        return JobPage(jobs=[_status(r) for r in records], next_page_token=token)
+
+    @v1.get("/jobs/{job_id}", response_model=JobStatus, responses=_NOT_FOUND)
     def get_job(job_id: str) -> JobStatus:
         return _status(_call(scheduler.get, job_id))
 
-    @app.post("/v1/jobs/{job_id}/stop", response_model=JobStatus)
+    @v1.post("/jobs/{job_id}/stop", response_model=JobStatus, responses=_NOT_FOUND)
     def stop_job(job_id: str) -> JobStatus:
         return _status(_call(scheduler.stop, job_id))
 
+    @v1.get("/jobs/{job_id}/logs", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "The log tail(s), as text."}, **_NOT_FOUND})
+    def job_logs(job_id: str,
+                 service: str = Query("", description="replay, rollout or trainer; all if empty"),
+                 tail_bytes: int = Query(65536, ge=1, le=8 << 20)) -> PlainTextResponse:
+        if service and service not in LOG_SERVICES:
+            raise HTTPException(422, f"service: {service!r} is not one of {', '.join(LOG_SERVICES)}")
+        logs = _call(scheduler.logs, job_id, service, tail_bytes)
+        if service:
+            return PlainTextResponse(logs[0].text if logs else "")
+        return PlainTextResponse("".join(f"==> {l.service} <==\n{l.text}\n" for l in logs))
+
+    @v1.get("/jobs/{job_id}/metrics", response_model=JobMetrics, responses=_NOT_FOUND)
+    def job_metrics(job_id: str, since_step: int = Query(0, ge=0, le=2**62),
+                    limit: int = Query(1000, ge=1, le=10_000)) -> JobMetrics:
+        records = _call(scheduler.metrics, job_id, since_step, limit)
+        last = int(records[-1]["step"]) if records else since_step
+        return JobMetrics(job_id=job_id, records=records, next_since_step=last)
+
+    app.include_router(v1)
     return app

@@ -17,3 +17,7 @@ class InvalidArgument(ValueError):
 
 class Unavailable(RuntimeError):
     """The service could not be reached; retry later."""
+
+
+class Conflict(Exception):
+    """The request clashes with existing state (an id reused for something else)."""

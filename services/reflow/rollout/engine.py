@@ -28,6 +28,16 @@ class TokenDelta:
     finish_reason: str | None = None
 
 
+@dataclass
+class EngineLoad:
+    """The engine scheduler's latest view of its queue, for metrics and admission."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage_ratio: float = 0.0
+    preempted_requests_total: int = 0
+
+
 @dataclass(frozen=True)
 class WeightSyncSpec:
     master_address: str

@@ -34,6 +34,22 @@ class RolloutCollector:
             metric = family(name, doc, labels=["job"])
             metric.add_metric([worker.job_id], value)
             yield metric
+        # The engine's own queue (vLLM scheduler stats), when the engine reports it.
+        load = getattr(worker.engine, "load", None)
+        if load is not None:
+            requests = GaugeMetricFamily("reflow_rollout_engine_requests",
+                                         "Requests in the engine, by state.", labels=["job", "state"])
+            requests.add_metric([worker.job_id, "running"], load.running_requests)
+            requests.add_metric([worker.job_id, "waiting"], load.waiting_requests)
+            yield requests
+            kv = GaugeMetricFamily("reflow_rollout_kv_cache_usage_ratio",
+                                   "Share of the KV cache in use (0-1).", labels=["job"])
+            kv.add_metric([worker.job_id], load.kv_cache_usage_ratio)
+            yield kv
+            preempted = CounterMetricFamily("reflow_rollout_preempted_requests",
+                                            "Requests the engine preempted.", labels=["job"])
+            preempted.add_metric([worker.job_id], load.preempted_requests_total)
+            yield preempted
 
 
 def rollout_registry(service) -> CollectorRegistry:

@@ -13,9 +13,33 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
-from reflow.rollout.engine import SamplingSpec, TokenDelta, WeightSyncSpec
+from reflow.rollout.engine import EngineLoad, SamplingSpec, TokenDelta, WeightSyncSpec
 
 logger = logging.getLogger(__name__)
+
+
+def _load_recorder(load: EngineLoad):
+    """A vLLM stat logger class that copies scheduler stats into `load`. vLLM calls
+    it on its output-handler task after every engine step; SchedulerStats is not a
+    stable vLLM interface, so it is read defensively here and nowhere else."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadRecorder(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                load.running_requests = int(getattr(scheduler_stats, "num_running_reqs", 0))
+                load.waiting_requests = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                load.kv_cache_usage_ratio = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+            if iteration_stats is not None:
+                load.preempted_requests_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadRecorder
 
 
 class VllmEngine:
@@ -43,7 +67,9 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
         )
-        self._engine = AsyncLLM.from_engine_args(args)
+        # Our recorder replaces vLLM's periodic log line; it only keeps the numbers.
+        self.load = EngineLoad()
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_load_recorder(self.load)])
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import grpc
 
-from reflow.core.errors import InvalidArgument, NotFound, Unavailable
+from reflow.core.errors import Conflict, InvalidArgument, NotFound, Unavailable
 from reflow.scheduler.jobs import JobRecord
+from reflow.scheduler.local import ServiceLog
 
 
 def _translate(fn):
@@ -19,6 +21,8 @@ def _translate(fn):
             code, details = err.code(), err.details()
             if code == grpc.StatusCode.NOT_FOUND:
                 raise NotFound(details) from None
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                raise Conflict(details) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(details) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -48,11 +52,14 @@ class GrpcSchedulerClient:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     @_translate
-    def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> JobRecord:
+    def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
+        """(job, created): created is False when job_id named an existing job with
+        the same spec (an idempotent retry)."""
         from reflow.v1 import scheduler_pb2
 
         req = scheduler_pb2.SubmitJobRequest(job_id=job_id, spec_json=spec_json, run_dir=run_dir)
-        return _from_proto(self._stub.SubmitJob(req, timeout=self.deadline_s))
+        reply = self._stub.SubmitJob(req, timeout=self.deadline_s)
+        return _from_proto(reply.job), reply.created
 
     @_translate
     def get(self, job_id: str) -> JobRecord:
@@ -67,11 +74,29 @@ class GrpcSchedulerClient:
         return _from_proto(self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s))
 
     @_translate
-    def list(self, limit: int = 100) -> list[JobRecord]:
+    def list(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+        """One page, newest first, and the token of the next page ("" on the last)."""
         from reflow.v1 import scheduler_pb2
 
-        reply = self._stub.ListJobs(scheduler_pb2.ListJobsRequest(limit=limit), timeout=self.deadline_s)
-        return [_from_proto(m) for m in reply.jobs]
+        req = scheduler_pb2.ListJobsRequest(limit=limit, page_token=page_token)
+        reply = self._stub.ListJobs(req, timeout=self.deadline_s)
+        return [_from_proto(m) for m in reply.jobs], reply.next_page_token
+
+    @_translate
+    def logs(self, job_id: str, service: str = "", tail_bytes: int = 65536) -> list[ServiceLog]:
+        from reflow.v1 import scheduler_pb2
+
+        req = scheduler_pb2.JobLogsRequest(job_id=job_id, service=service, tail_bytes=tail_bytes)
+        reply = self._stub.GetJobLogs(req, timeout=self.deadline_s)
+        return [ServiceLog(l.service, l.text, l.truncated) for l in reply.logs]
+
+    @_translate
+    def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict]:
+        from reflow.v1 import scheduler_pb2
+
+        req = scheduler_pb2.JobMetricsRequest(job_id=job_id, since_step=since_step, limit=limit)
+        reply = self._stub.GetJobMetrics(req, timeout=self.deadline_s)
+        return [json.loads(r) for r in reply.records_json]
 
     def close(self) -> None:
         self._channel.close()

@@ -1,19 +1,46 @@
-"""The job store: job records in Redis, so that a scheduler or API restart
-loses no job. Owns the record layout; knows nothing of how jobs run."""
+"""The job store: job records and their per-step metrics in Redis, so that a
+scheduler or API restart loses no job. Owns the record layout; knows nothing
+of how jobs run.
+
+Layout:
+    reflow:jobs                 hash  job_id -> JobRecord JSON
+    reflow:jobs:seq             int   submission counter
+    reflow:jobs:order           zset  job_id scored by submission number (paging cursor)
+    reflow:jobs:<id>:metrics    zset  step record JSON scored by step
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
 
 import redis
 
 PHASES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# The services of a job whose logs a user can read.
+LOG_SERVICES = ("replay", "rollout", "trainer")
 
 _JOBS = "reflow:jobs"
+_SEQ = "reflow:jobs:seq"
 _ORDER = "reflow:jobs:order"
+# A job keeps at most this many step records (a 100k-step run's worth).
+MAX_METRICS_RECORDS = 100_000
+
+# Insert and index in one step: a crash between the two would leave a job
+# that exists but never shows up in a listing.
+_CREATE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local seq = redis.call('INCR', KEYS[2])
+redis.call('ZADD', KEYS[3], seq, ARGV[1])
+return 1
+"""
+
+
+def _metrics_key(job_id: str) -> str:
+    return f"reflow:jobs:{job_id}:metrics"
 
 
 @dataclass
@@ -41,15 +68,16 @@ class JobRecord:
 class JobStore:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
+        self._create = client.register_script(_CREATE)
 
-    def create(self, record: JobRecord) -> JobRecord:
-        """Insert a new job; an existing id returns the stored record unchanged
-        (idempotent submission)."""
-        created = self.redis.hsetnx(_JOBS, record.job_id, json.dumps(asdict(record)))
+    def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
+        """Insert a new job. An existing id returns the stored record unchanged and
+        False (the caller decides whether that is an idempotent retry or a clash)."""
+        created = self._create(keys=[_JOBS, _SEQ, _ORDER],
+                               args=[record.job_id, json.dumps(asdict(record))])
         if created:
-            self.redis.zadd(_ORDER, {record.job_id: record.created_at})
-            return record
-        return self.get(record.job_id)
+            return record, True
+        return self.get(record.job_id), False
 
     def save(self, record: JobRecord) -> None:
         self.redis.hset(_JOBS, record.job_id, json.dumps(asdict(record)))
@@ -60,9 +88,46 @@ class JobStore:
             raise KeyError(f"no job {job_id!r}")
         return JobRecord(**json.loads(raw))
 
-    def list(self, limit: int = 100) -> list[JobRecord]:
-        ids = self.redis.zrevrange(_ORDER, 0, max(0, limit - 1))
-        if not ids:
-            return []
-        raws = self.redis.hmget(_JOBS, ids)
-        return [JobRecord(**json.loads(r)) for r in raws if r is not None]
+    def page(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+        """Newest first. The token is the submission number of the last job returned,
+        so pages stay stable while new jobs arrive."""
+        if not 1 <= limit <= 1000:
+            raise ValueError(f"limit: {limit} is out of range; use 1 to 1000")
+        if page_token and not page_token.isdigit():
+            raise ValueError("page_token: not a token this API returned; "
+                             "pass next_page_token from the previous page")
+        top = f"({page_token}" if page_token else "+inf"
+        rows = self.redis.zrevrangebyscore(_ORDER, top, "-inf", start=0, num=limit + 1,
+                                           withscores=True)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        if not rows:
+            return [], ""
+        raws = self.redis.hmget(_JOBS, [job_id for job_id, _ in rows])
+        records = [JobRecord(**json.loads(r)) for r in raws if r is not None]
+        return records, (str(int(rows[-1][1])) if more else "")
+
+    def all(self) -> Iterator[JobRecord]:
+        token = ""
+        while True:
+            records, token = self.page(1000, token)
+            yield from records
+            if not token:
+                return
+
+    def append_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        key = _metrics_key(job_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zadd(key, {json.dumps(r, sort_keys=True): int(r["step"]) for r in records})
+        pipe.zremrangebyrank(key, 0, -MAX_METRICS_RECORDS - 1)
+        pipe.execute()
+
+    def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        if not 1 <= limit <= 10_000:
+            raise ValueError(f"limit: {limit} is out of range; use 1 to 10000")
+        self.get(job_id)  # NotFound for an unknown job, not an empty list
+        raws = self.redis.zrangebyscore(_metrics_key(job_id), f"({since_step}", "+inf",
+                                        start=0, num=limit)
+        return [json.loads(r) for r in raws]

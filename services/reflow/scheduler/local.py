@@ -23,6 +23,26 @@ from reflow import procs, rpc
 logger = logging.getLogger(__name__)
 
 
+def record_endpoints(run_dir: Path, endpoints: dict[str, dict[str, str]]) -> None:
+    """Merge service endpoints into `<run_dir>/endpoints.json`, and write
+    `prometheus-targets.json` beside it: a Prometheus file_sd list of every
+    service's /metrics, so a local Prometheus can scrape a local run."""
+    path = run_dir / "endpoints.json"
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(endpoints)
+    path.write_text(json.dumps(merged, indent=2))
+    targets = [{"targets": [e["metrics"]], "labels": {"service": name}}
+               for name, e in sorted(merged.items()) if e.get("metrics")]
+    (run_dir / "prometheus-targets.json").write_text(json.dumps(targets, indent=2))
+
+
+@dataclass
+class ServiceLog:
+    service: str
+    text: str
+    truncated: bool
+
+
 @dataclass
 class Placement:
     replay_address: str
@@ -71,10 +91,10 @@ class LocalBackend:
             trainer_address=f"127.0.0.1:{ports['trainer']}",
         )
         metrics_ports = {name: procs.free_port() for name in ports}
-        (run_dir / "endpoints.json").write_text(json.dumps({
+        record_endpoints(run_dir, {
             name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
             for name, port in ports.items()
-        }, indent=2))
+        })
         try:
             for name, port in ports.items():
                 placement.processes[name] = self._serve(name, port, metrics_ports[name], log_dir)
@@ -91,3 +111,20 @@ class LocalBackend:
         for name, proc in placement.processes.items():
             procs.terminate_tree(proc.pid, timeout_s=15)
             proc.wait()
+
+    @staticmethod
+    def read_logs(run_dir: Path, services: list[str], tail_bytes: int) -> list[ServiceLog]:
+        """The last `tail_bytes` of each service's log file; a service that has not
+        started yet has an empty log."""
+        out = []
+        for service in services:
+            path = run_dir / "logs" / f"{service}.log"
+            if not path.exists():
+                out.append(ServiceLog(service, "", False))
+                continue
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail_bytes))
+                data = f.read(tail_bytes)
+            out.append(ServiceLog(service, data.decode("utf-8", errors="replace"), size > tail_bytes))
+        return out

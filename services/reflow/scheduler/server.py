@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from reflow import rpc
@@ -25,10 +27,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def SubmitJob(self, request, context):
         try:
-            record = self.scheduler.submit(request.spec_json, request.job_id, request.run_dir)
+            record, created = self.scheduler.submit(request.spec_json, request.job_id,
+                                                    request.run_dir)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
-        return record_to_proto(record)
+        return scheduler_pb2.SubmitJobReply(job=record_to_proto(record), created=created)
 
     def GetJob(self, request, context):
         try:
@@ -43,10 +46,31 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             rpc.abort_on(context, err)
 
     def ListJobs(self, request, context):
-        limit = request.limit or 100
-        return scheduler_pb2.ListJobsReply(
-            jobs=[record_to_proto(r) for r in self.scheduler.list(limit)]
-        )
+        try:
+            records, token = self.scheduler.list(request.limit or 100, request.page_token)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return scheduler_pb2.ListJobsReply(jobs=[record_to_proto(r) for r in records],
+                                           next_page_token=token)
+
+    def GetJobLogs(self, request, context):
+        try:
+            logs = self.scheduler.logs(request.job_id, request.service,
+                                       request.tail_bytes or 65536)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return scheduler_pb2.JobLogsReply(logs=[
+            scheduler_pb2.ServiceLog(service=l.service, text=l.text, truncated=l.truncated)
+            for l in logs
+        ])
+
+    def GetJobMetrics(self, request, context):
+        try:
+            records = self.scheduler.metrics(request.job_id, request.since_step,
+                                             request.limit or 1000)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return scheduler_pb2.JobMetricsReply(records_json=[json.dumps(r) for r in records])
 
 
 def serve(scheduler: Scheduler, address: str) -> tuple[grpc.Server, int]:

@@ -12,18 +12,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import re
 import uuid
 from pathlib import Path
 
 from reflow.core.config import JobSpec
+from reflow.core.errors import Conflict
 from reflow.rollout.client import GrpcRolloutClient
-from reflow.scheduler.jobs import JobRecord, JobStore
-from reflow.scheduler.local import LocalBackend, Placement
+from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
+from reflow.scheduler.local import LocalBackend, Placement, ServiceLog
 from reflow.trainer.client import GrpcTrainerClient
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.0
+MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
+# Job ids end up in Kubernetes labels and DNS names: a DNS-1123 label.
+JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Scheduler:
@@ -33,40 +38,50 @@ class Scheduler:
         self.runs_root = Path(runs_root)
         self._stops: dict[str, threading.Event] = {}
         self._threads: dict[str, threading.Thread] = {}
+        self._placements: dict[str, Placement] = {}
         self._lock = threading.Lock()
 
     def recover(self) -> None:
         """Jobs that were running when a previous scheduler died lost their local
         processes with it: mark them failed rather than leave them RUNNING forever."""
-        for record in self.store.list(limit=10_000):
+        for record in list(self.store.all()):
             if not record.terminal:
                 record.phase, record.reason = "FAILED", "scheduler restarted while the job ran"
                 record.finished_at = time.time()
                 self.store.save(record)
 
-    def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> JobRecord:
+    def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
+        """Record and start a job. A given job_id makes this idempotent: the same spec
+        again returns the existing job and False; another spec under it is a Conflict."""
         spec = JobSpec.model_validate_json(spec_json)
-        job_id = job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        if job_id and not JOB_ID_PATTERN.fullmatch(job_id):
+            raise ValueError(f"job_id: {job_id!r} is not a valid id; use 1-63 lowercase "
+                             "letters, digits and '-', starting and ending alphanumeric")
+        job_id = job_id or f"{spec.name[:54]}-{uuid.uuid4().hex[:8]}"
         record = JobRecord(
             job_id=job_id, name=spec.name, spec_json=spec.model_dump_json(),
             num_steps=spec.trainer.num_steps,
             run_dir=str(Path(run_dir) if run_dir else self.runs_root / job_id),
         )
-        stored = self.store.create(record)
-        if stored is record:
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run_job, args=(record, stop),
-                                      name=f"job-{job_id}", daemon=True)
-            with self._lock:
-                self._stops[job_id], self._threads[job_id] = stop, thread
-            thread.start()
-        return stored
+        stored, created = self.store.create(record)
+        if not created:
+            if stored.spec_json != record.spec_json:
+                raise Conflict(f"job {job_id!r} exists with a different spec; submit under "
+                               "a new submission_id, or resend the original spec")
+            return stored, False
+        stop = threading.Event()
+        thread = threading.Thread(target=self._run_job, args=(record, stop),
+                                  name=f"job-{job_id}", daemon=True)
+        with self._lock:
+            self._stops[job_id], self._threads[job_id] = stop, thread
+        thread.start()
+        return record, True
 
     def get(self, job_id: str) -> JobRecord:
         return self.store.get(job_id)
 
-    def list(self, limit: int = 100) -> list[JobRecord]:
-        return self.store.list(limit)
+    def list(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+        return self.store.page(limit, page_token)
 
     def stop(self, job_id: str) -> JobRecord:
         record = self.store.get(job_id)
@@ -75,6 +90,24 @@ class Scheduler:
             stop.set()
             self._threads[job_id].join(60)
         return self.store.get(job_id)
+
+    def logs(self, job_id: str, service: str = "", tail_bytes: int = 65536) -> list[ServiceLog]:
+        if service and service not in LOG_SERVICES:
+            raise ValueError(f"service: {service!r} is not one of {', '.join(LOG_SERVICES)}")
+        if not 1 <= tail_bytes <= MAX_LOG_TAIL_BYTES:
+            raise ValueError(f"tail_bytes: {tail_bytes} is out of range; use 1 to {MAX_LOG_TAIL_BYTES}")
+        record = self.store.get(job_id)
+        return self.backend.read_logs(Path(record.run_dir),
+                                      [service] if service else list(LOG_SERVICES), tail_bytes)
+
+    def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict]:
+        return self.store.metrics(job_id, since_step, limit)
+
+    def workers_by_role(self) -> dict[str, int]:
+        with self._lock:
+            placements = list(self._placements.values())
+        return {"rollout": sum(len(p.rollout_addresses) for p in placements),
+                "trainer": len(placements)}
 
     def shutdown(self) -> None:
         for job_id in list(self._stops):
@@ -93,6 +126,8 @@ class Scheduler:
             self.store.save(record)
             self._prepare_model(record)
             placement = self.backend.place(record.job_id, run_dir)
+            with self._lock:
+                self._placements[record.job_id] = placement
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
             for client in rollouts:
@@ -105,6 +140,8 @@ class Scheduler:
             record.phase, record.reason = "FAILED", f"{type(err).__name__}: {err}"
         finally:
             if placement is not None:
+                with self._lock:
+                    self._placements.pop(record.job_id, None)
                 self.backend.release(placement)
             record.finished_at = time.time()
             self.store.save(record)
@@ -123,6 +160,8 @@ class Scheduler:
         while True:
             if stop.wait(POLL_INTERVAL_S):
                 trainer.stop_job(record.job_id)
+                # The steps finished since the last poll still belong in the history.
+                self._update_progress(record, trainer.status(record.job_id, since_step=record.step))
                 return "STOPPED", "stopped by request"
             exited = placement.exited()
             if exited:
@@ -132,7 +171,7 @@ class Scheduler:
                 stats = client.stats(record.job_id)
                 if stats.state == "failed":
                     return "FAILED", f"rollout: {stats.error}"
-            status = trainer.status(record.job_id)
+            status = trainer.status(record.job_id, since_step=record.step)
             self._update_progress(record, status)
             if status.state == "succeeded":
                 return "SUCCEEDED", ""
@@ -141,6 +180,7 @@ class Scheduler:
 
     def _update_progress(self, record: JobRecord, status) -> None:
         m = status.last_metrics
+        self.store.append_metrics(record.job_id, status.metrics)
         record.step, record.policy_version = status.step, status.policy_version
         if m:
             record.reward_mean = float(m.get("reward_mean", 0.0))

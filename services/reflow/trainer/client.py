@@ -15,6 +15,8 @@ class TrainerStatus:
     policy_version: int
     last_metrics: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    # Per-step records after the requested since_step, oldest first.
+    metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GrpcTrainerClient:
@@ -42,12 +44,15 @@ class GrpcTrainerClient:
 
         self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s)
 
-    def status(self, job_id: str = "") -> TrainerStatus:
-        from reflow.v1 import common_pb2
+    def status(self, job_id: str = "", since_step: int = -1) -> TrainerStatus:
+        """since_step >= 0 also fetches the per-step records after that step."""
+        from reflow.v1 import trainer_pb2
 
-        m = self._stub.GetStatus(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        req = trainer_pb2.TrainerStatusRequest(job_id=job_id, since_step=since_step)
+        m = self._stub.GetStatus(req, timeout=self.deadline_s)
         return TrainerStatus(m.job_id, m.state, m.step, m.policy_version,
-                             json.loads(m.last_metrics_json or "{}"), m.error)
+                             json.loads(m.last_metrics_json or "{}"), m.error,
+                             [json.loads(r) for r in m.metrics_json])
 
     def close(self) -> None:
         self._channel.close()

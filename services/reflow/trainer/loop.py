@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.trainer.loss import grpo_token_loss, replay_sample_weights, token_logprobs
 from reflow.weightsync import DEFAULT_BUCKET_BYTES, make_group, send_weights, specs_of
+
+RECENT_METRICS_STEPS = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,9 @@ class TrainLoop:
         self.step = 0
         self.policy_version = 0
         self.last_metrics: dict[str, Any] = {}
+        # Recent per-step records for the scheduler, which polls about once a second
+        # and copies them into the job store; bounded so a lost poller costs no memory.
+        self.recent_metrics: deque[dict[str, Any]] = deque(maxlen=RECENT_METRICS_STEPS)
         self._stop = threading.Event()
         self._sync_group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(rollouts)), thread_name_prefix="wsync")
@@ -302,6 +308,7 @@ class TrainLoop:
 
     def _emit(self, record: dict[str, Any]) -> None:
         self.last_metrics = record
+        self.recent_metrics.append(record)
         logger.info(
             "job %s step %d v%d reward %.3f tokens/s %.0f idle %.2f",
             self.job_id, record["step"], record["policy_version"], record["reward_mean"],

@@ -34,13 +34,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def GetStatus(self, request, context):
         try:
-            s = self.service.status(request.job_id)
+            s = self.service.status(request.job_id, request.since_step)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return trainer_pb2.TrainerStatus(
             job_id=s["job_id"], state=s["state"], step=s["step"],
             policy_version=s["policy_version"],
             last_metrics_json=json.dumps(s["last_metrics"]), error=s["error"],
+            metrics_json=[json.dumps(r) for r in s["metrics"]],
         )
 
 

@@ -75,7 +75,9 @@ class TrainerService:
         if self._thread is not None:
             self._thread.join(30)
 
-    def status(self, job_id: str) -> dict:
+    def status(self, job_id: str, since_step: int = -1) -> dict:
+        """State and progress; with since_step >= 0 also the metrics records of the
+        steps after it that are still in the trainer's window."""
         if job_id and job_id != self.job_id:
             raise KeyError(f"job {job_id!r} does not run on this trainer")
         loop = self.loop
@@ -86,4 +88,6 @@ class TrainerService:
             "policy_version": loop.policy_version if loop else 0,
             "last_metrics": loop.last_metrics if loop else {},
             "error": self.error,
+            "metrics": ([r for r in list(loop.recent_metrics) if r["step"] > since_step]
+                        if loop and since_step >= 0 else []),
         }

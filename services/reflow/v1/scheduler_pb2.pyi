@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job", "created")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    job: JobStatus
+    created: bool
+    def __init__(self, job: _Optional[_Union[JobStatus, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("job_id", "spec_json", "run_dir")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -48,13 +56,59 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., num_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., trainer_tokens_per_s: _Optional[float] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., run_dir: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("limit",)
+    __slots__ = ("limit", "page_token")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    page_token: str
+    def __init__(self, limit: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListJobsReply(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class JobLogsRequest(_message.Message):
+    __slots__ = ("job_id", "service", "tail_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    service: str
+    tail_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., service: _Optional[str] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
+
+class ServiceLog(_message.Message):
+    __slots__ = ("service", "text", "truncated")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    text: str
+    truncated: bool
+    def __init__(self, service: _Optional[str] = ..., text: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class JobLogsReply(_message.Message):
+    __slots__ = ("logs",)
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    logs: _containers.RepeatedCompositeFieldContainer[ServiceLog]
+    def __init__(self, logs: _Optional[_Iterable[_Union[ServiceLog, _Mapping]]] = ...) -> None: ...
+
+class JobMetricsRequest(_message.Message):
+    __slots__ = ("job_id", "since_step", "limit")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    since_step: int
+    limit: int
+    def __init__(self, job_id: _Optional[str] = ..., since_step: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class JobMetricsReply(_message.Message):
+    __slots__ = ("records_json",)
+    RECORDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    records_json: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, records_json: _Optional[_Iterable[str]] = ...) -> None: ...

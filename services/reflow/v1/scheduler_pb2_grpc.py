@@ -40,7 +40,7 @@ class SchedulerStub:
         self.SubmitJob = channel.unary_unary(
                 '/reflow.v1.Scheduler/SubmitJob',
                 request_serializer=reflow_dot_v1_dot_scheduler__pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
+                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.SubmitJobReply.FromString,
                 _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/reflow.v1.Scheduler/GetJob',
@@ -57,6 +57,16 @@ class SchedulerStub:
                 request_serializer=reflow_dot_v1_dot_scheduler__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_scheduler__pb2.ListJobsReply.FromString,
                 _registered_method=True)
+        self.GetJobLogs = channel.unary_unary(
+                '/reflow.v1.Scheduler/GetJobLogs',
+                request_serializer=reflow_dot_v1_dot_scheduler__pb2.JobLogsRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobLogsReply.FromString,
+                _registered_method=True)
+        self.GetJobMetrics = channel.unary_unary(
+                '/reflow.v1.Scheduler/GetJobMetrics',
+                request_serializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -65,7 +75,9 @@ class SchedulerServicer:
     """
 
     def SubmitJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Idempotent on job_id: resubmitting the same spec returns the job with
+        created=false; a different spec under an existing id is ALREADY_EXISTS.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -88,13 +100,25 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetJobLogs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitJob': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitJob,
                     request_deserializer=reflow_dot_v1_dot_scheduler__pb2.SubmitJobRequest.FromString,
-                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.SerializeToString,
+                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.SubmitJobReply.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -110,6 +134,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=reflow_dot_v1_dot_scheduler__pb2.ListJobsRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_scheduler__pb2.ListJobsReply.SerializeToString,
+            ),
+            'GetJobLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobLogs,
+                    request_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobLogsRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobLogsReply.SerializeToString,
+            ),
+            'GetJobMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobMetrics,
+                    request_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,7 +174,7 @@ class Scheduler:
             target,
             '/reflow.v1.Scheduler/SubmitJob',
             reflow_dot_v1_dot_scheduler__pb2.SubmitJobRequest.SerializeToString,
-            reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
+            reflow_dot_v1_dot_scheduler__pb2.SubmitJobReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -222,6 +256,60 @@ class Scheduler:
             '/reflow.v1.Scheduler/ListJobs',
             reflow_dot_v1_dot_scheduler__pb2.ListJobsRequest.SerializeToString,
             reflow_dot_v1_dot_scheduler__pb2.ListJobsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Scheduler/GetJobLogs',
+            reflow_dot_v1_dot_scheduler__pb2.JobLogsRequest.SerializeToString,
+            reflow_dot_v1_dot_scheduler__pb2.JobLogsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Scheduler/GetJobMetrics',
+            reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.SerializeToString,
+            reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,7 +48,7 @@ class TrainerStub:
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/reflow.v1.Trainer/GetStatus',
-                request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+                request_serializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
 
@@ -90,7 +90,7 @@ def add_TrainerServicer_to_server(servicer, server):
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
+                    request_deserializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
     }
@@ -174,7 +174,7 @@ class Trainer:
             request,
             target,
             '/reflow.v1.Trainer/GetStatus',
-            reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+            reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
             reflow_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,101 @@
+"""ASGI middleware of the REST API: a request-body size cap and request
+metrics. Plain ASGI so that both see every request, including the ones the
+routes reject."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class BodySizeLimit:
+    """Answer 413 to any body over `max_body_bytes`, whether the client declared
+    its length or streams it chunked; the app never sees such a body."""
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.max_body_bytes
+            except ValueError:
+                return await self._reject(send, 400, "content-length: not an integer")
+            if too_big:
+                return await self._too_large(send)
+        # Read the body up front (it is at most max_body_bytes) and replay it.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await self._too_large(send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        await self._reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes; "
+                                      "a JobSpec is a few KiB")
+
+    @staticmethod
+    async def _reject(send, status: int, detail: str) -> None:
+        payload = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+class RequestMetrics:
+    """`reflow_api_requests_total{route,method,status}` and request latency. The
+    route label is the matched path template (`/v1/jobs/{job_id}`), never the raw
+    path, so job ids do not become label values."""
+
+    def __init__(self, app, registry: CollectorRegistry) -> None:
+        self.app = app
+        self.requests = Counter("reflow_api_requests_total", "API requests answered.",
+                                ["route", "method", "status"], registry=registry)
+        self.latency = Histogram("reflow_api_request_duration_seconds", "API request latency.",
+                                 ["route", "method"], registry=registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+        start = time.perf_counter()
+
+        async def record_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            method = scope.get("method", "")
+            self.requests.labels(route, method, str(status)).inc()
+            self.latency.labels(route, method).observe(time.perf_counter() - start)

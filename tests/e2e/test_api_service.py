@@ -1,0 +1,98 @@
+"""`reflow serve api` and `reflow serve scheduler` as processes, driven by
+`reflow submit` / `reflow jobs` and curl-like HTTP: the token is required, and
+killing the API loses nothing, since jobs live in the scheduler's Redis."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from reflow import procs, rpc
+from reflow.replay.embedded import EmbeddedRedis
+
+from tests.e2e.test_cli import REPO, reflow
+
+TOKEN = "e2e-token-abcdef"
+
+
+def _serve(service, port, env, log):
+    return subprocess.Popen([sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)],
+                            cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_http(url, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture
+def control_plane(tmp_path):
+    redis = EmbeddedRedis(tmp_path / "redis").start()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    sched_port, api_port, metrics_port = procs.free_port(), procs.free_port(), procs.free_port()
+    env = {"REDIS_URL": redis.url, "REFLOW_RUNS_DIR": str(tmp_path / "runs"),
+           "REFLOW_SCHEDULER_ADDRESS": f"127.0.0.1:{sched_port}",
+           "REFLOW_API_TOKEN_FILE": str(token_file), "REFLOW_METRICS_PORT": str(metrics_port)}
+    log = open(tmp_path / "services.log", "ab")
+    started = [_serve("scheduler", sched_port, {**env, "REFLOW_METRICS_PORT": str(procs.free_port())}, log)]
+    rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
+
+    def start_api():
+        proc = _serve("api", api_port, env, log)
+        started.append(proc)
+        _wait_http(f"http://127.0.0.1:{api_port}/healthz")
+        return proc
+
+    yield f"http://127.0.0.1:{api_port}", start_api, metrics_port
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    redis.stop()
+    log.close()
+
+
+def test_jobs_survive_an_api_restart_and_submission_is_idempotent(control_plane, tmp_path):
+    url, start_api, metrics_port = control_plane
+    api = start_api()
+    config = tmp_path / "job.yaml"
+    # No model at this path: the scheduler fails the job quickly, naming the field.
+    config.write_text(f"name: restart\nmodel: {{path: {tmp_path / 'no-model'}}}\n"
+                      "trainer: {num_steps: 2}\n")
+
+    denied = reflow("submit", str(config), "--url", url, "--token", "wrong")
+    assert denied.returncode == 1 and "401" in denied.stderr
+    first = reflow("submit", str(config), "--url", url, "--token", TOKEN, "--submission-id", "keep-me")
+    assert first.returncode == 0, first.stderr
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    deadline = time.monotonic() + 60
+    while (job := httpx.get(f"{url}/v1/jobs/keep-me", headers=auth).json())["phase"] != "FAILED":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    assert "model.path" in job["reason"]
+    scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    assert 'reflow_api_requests_total{method="GET",route="/v1/jobs/{job_id}",status="200"}' in scraped
+
+    api.kill()  # no graceful shutdown: nothing may depend on it
+    api.wait(10)
+    start_api()
+    assert httpx.get(f"{url}/v1/jobs/keep-me", headers=auth).json() == job
+    again = httpx.post(f"{url}/v1/jobs", headers=auth, json={
+        "name": "restart", "model": {"path": str(tmp_path / "no-model")},
+        "trainer": {"num_steps": 2}, "submission_id": "keep-me"})
+    assert again.status_code == 200 and again.json() == job
+    listed = reflow("jobs", "--url", url, "--token", TOKEN)
+    assert listed.returncode == 0 and listed.stdout.count("keep-me") == 1

@@ -128,9 +128,9 @@ def test_prometheus_metrics_follow_the_buffer(redis_server, redis_client):
     finally:
         client.close()
         server.stop(0)
-    assert 'reflow_replay_pool_samples{job="job",pool="unused"} 4.0' in text
-    assert 'reflow_replay_pool_samples{job="job",pool="replay"} 4.0' in text
-    assert 'reflow_replay_batch_samples_total{job="job",kind="fresh"} 4.0' in text
-    assert 'reflow_replay_sample_staleness_versions_count{job="job"} 4.0' in text
-    assert 'reflow_replay_put_samples_total{job="job"} 8.0' in text
-    assert 'reflow_replay_evicted_samples_total{job="job"} 0.0' in text
+    assert 'reflow_replay_pool_samples{job_id="job",pool="unused"} 4.0' in text
+    assert 'reflow_replay_pool_samples{job_id="job",pool="replay"} 4.0' in text
+    assert 'reflow_replay_batch_samples_total{job_id="job",kind="fresh"} 4.0' in text
+    assert 'reflow_replay_sample_staleness_versions_count{job_id="job"} 4.0' in text
+    assert 'reflow_replay_put_samples_total{job_id="job"} 8.0' in text
+    assert 'reflow_replay_evicted_samples_total{job_id="job"} 0.0' in text

@@ -27,30 +27,30 @@ class _StoreCollector:
 
     def collect(self):
         pools = GaugeMetricFamily("reflow_replay_pool_samples",
-                                  "Samples in the buffer by pool.", labels=["job", "pool"])
+                                  "Samples in the buffer by pool.", labels=["job_id", "pool"])
         leases = GaugeMetricFamily("reflow_replay_outstanding_leases",
-                                   "Leased batches not yet released.", labels=["job"])
+                                   "Leased batches not yet released.", labels=["job_id"])
         version = GaugeMetricFamily("reflow_replay_policy_version",
-                                    "Latest published policy version.", labels=["job"])
+                                    "Latest published policy version.", labels=["job_id"])
         counters = {
-            "put_total": CounterMetricFamily("reflow_replay_put_samples", "Samples put.", labels=["job"]),
+            "put_total": CounterMetricFamily("reflow_replay_put_samples", "Samples put.", labels=["job_id"]),
             "trained_total": CounterMetricFamily(
                 "reflow_replay_trained_samples", "Sample-trainings released, replays included.",
-                labels=["job"]),
+                labels=["job_id"]),
             "evicted_total": CounterMetricFamily(
-                "reflow_replay_evicted_samples", "Samples evicted for staleness (δ).", labels=["job"]),
+                "reflow_replay_evicted_samples", "Samples evicted for staleness (δ).", labels=["job_id"]),
             "evicted_unused_total": CounterMetricFamily(
                 "reflow_replay_evicted_unused_samples",
                 "Samples evicted for staleness before any training (wasted rollouts).",
-                labels=["job"]),
+                labels=["job_id"]),
             "retired_total": CounterMetricFamily(
                 "reflow_replay_retired_samples", "Trained samples retired because replay is off.",
-                labels=["job"]),
+                labels=["job_id"]),
             "dropped_total": CounterMetricFamily(
                 "reflow_replay_filter_dropped_samples", "Samples the replay filter dropped.",
-                labels=["job"]),
+                labels=["job_id"]),
             "expired_leases_total": CounterMetricFamily(
-                "reflow_replay_expired_leases", "Leases that expired unreleased.", labels=["job"]),
+                "reflow_replay_expired_leases", "Leases that expired unreleased.", labels=["job_id"]),
         }
         for job in sorted(self.jobs):
             s = self.store.stats(job)
@@ -74,16 +74,16 @@ class BufferMetrics:
         self.registry.register(_StoreCollector(store, self.jobs))
         self.batch_samples = Counter(
             "reflow_replay_batch_samples_total", "Samples served in batches, by kind.",
-            ["job", "kind"], registry=self.registry)
+            ["job_id", "kind"], registry=self.registry)
         self.replay_fraction = Gauge(
             "reflow_replay_batch_replay_fraction_ratio", "Replayed share of the last batch.",
-            ["job"], registry=self.registry)
+            ["job_id"], registry=self.registry)
         self.staleness = Histogram(
             "reflow_replay_sample_staleness_versions",
             "Policy versions between a served sample's oldest segment and the current one.",
-            ["job"], buckets=STALENESS_BUCKETS, registry=self.registry)
+            ["job_id"], buckets=STALENESS_BUCKETS, registry=self.registry)
         self.wait = Histogram(
-            "reflow_replay_batch_wait_seconds", "Time a batch request waited.", ["job"],
+            "reflow_replay_batch_wait_seconds", "Time a batch request waited.", ["job_id"],
             registry=self.registry)
 
     def seen(self, job_id: str) -> None:

@@ -31,23 +31,23 @@ class RolloutCollector:
             (GaugeMetricFamily, "reflow_rollout_policy_version", "Policy version loaded.",
              c.policy_version),
         ):
-            metric = family(name, doc, labels=["job"])
+            metric = family(name, doc, labels=["job_id"])
             metric.add_metric([worker.job_id], value)
             yield metric
         # The engine's own queue (vLLM scheduler stats), when the engine reports it.
         load = getattr(worker.engine, "load", None)
         if load is not None:
             requests = GaugeMetricFamily("reflow_rollout_engine_requests",
-                                         "Requests in the engine, by state.", labels=["job", "state"])
+                                         "Requests in the engine, by state.", labels=["job_id", "state"])
             requests.add_metric([worker.job_id, "running"], load.running_requests)
             requests.add_metric([worker.job_id, "waiting"], load.waiting_requests)
             yield requests
             kv = GaugeMetricFamily("reflow_rollout_kv_cache_usage_ratio",
-                                   "Share of the KV cache in use (0-1).", labels=["job"])
+                                   "Share of the KV cache in use (0-1).", labels=["job_id"])
             kv.add_metric([worker.job_id], load.kv_cache_usage_ratio)
             yield kv
             preempted = CounterMetricFamily("reflow_rollout_preempted_requests",
-                                            "Requests the engine preempted.", labels=["job"])
+                                            "Requests the engine preempted.", labels=["job_id"])
             preempted.add_metric([worker.job_id], load.preempted_requests_total)
             yield preempted
 

@@ -12,32 +12,32 @@ class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.step_seconds = Histogram("reflow_trainer_step_seconds", "Training step time.", ["job"],
+        self.step_seconds = Histogram("reflow_trainer_step_seconds", "Training step time.", ["job_id"],
                                       buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
                                       registry=r)
-        self.steps = Counter("reflow_trainer_steps_total", "Training steps taken.", ["job"], registry=r)
+        self.steps = Counter("reflow_trainer_steps_total", "Training steps taken.", ["job_id"], registry=r)
         self.tokens = Counter("reflow_trainer_trained_tokens_total", "Loss tokens trained on.",
-                              ["job"], registry=r)
+                              ["job_id"], registry=r)
         self.tokens_per_s = Gauge("reflow_trainer_tokens_per_second",
-                                  "Trained tokens over step time, last step.", ["job"], registry=r)
+                                  "Trained tokens over step time, last step.", ["job_id"], registry=r)
         self.trainer_idle = Gauge("reflow_trainer_idle_ratio",
-                                  "Share of the last step spent waiting for a batch.", ["job"],
+                                  "Share of the last step spent waiting for a batch.", ["job_id"],
                                   registry=r)
         self.rollout_idle = Gauge("reflow_trainer_rollout_idle_ratio",
                                   "Share of the last step the rollout workers had nothing in flight.",
-                                  ["job"], registry=r)
+                                  ["job_id"], registry=r)
         self.version = Gauge("reflow_trainer_policy_version", "Latest published policy version.",
-                             ["job"], registry=r)
+                             ["job_id"], registry=r)
         self.sync_seconds = Histogram("reflow_trainer_weight_sync_seconds",
-                                      "Time to publish weights to every rollout worker.", ["job"],
+                                      "Time to publish weights to every rollout worker.", ["job_id"],
                                       buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
                                       registry=r)
-        self.reward = Gauge("reflow_trainer_reward_mean", "Mean reward of the last batch.", ["job"],
+        self.reward = Gauge("reflow_trainer_reward_mean", "Mean reward of the last batch.", ["job_id"],
                             registry=r)
         self.replay_fraction = Gauge("reflow_trainer_replay_fraction_ratio",
-                                     "Replayed share of the last batch.", ["job"], registry=r)
+                                     "Replayed share of the last batch.", ["job_id"], registry=r)
         self.staleness = Gauge("reflow_trainer_max_staleness_versions",
-                               "Largest policy lag in the last batch.", ["job"], registry=r)
+                               "Largest policy lag in the last batch.", ["job_id"], registry=r)
 
     def observe(self, job_id: str, record: dict[str, Any]) -> None:
         self.step_seconds.labels(job_id).observe(record["step_time_s"])

@@ -1,7 +1,7 @@
 """The `reflow` command line.
 
     reflow run CONFIG [--out DIR] [--dry-run] [section.field=value ...]
-    reflow serve {api,scheduler,replay,rollout,trainer} [--port P]
+    reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P]
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-SERVICES = ("api", "scheduler", "replay", "rollout", "trainer")
+SERVICES = ("api", "scheduler", "replay", "rollout", "trainer", "worker")
 
 
 def _setup_logging(level: str = "INFO") -> None:

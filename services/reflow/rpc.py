@@ -28,14 +28,16 @@ DEFAULT_DEADLINE_S = 30.0
 
 
 def make_server(
-    service_name: str,
+    service_name: str | tuple[str, ...],
     register: Callable[[grpc.Server], None],
     address: str,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, int]:
-    """Build a server with the grpc.health.v1 service; returns it and the bound port."""
+    """Build a server with the grpc.health.v1 service; returns it and the bound port.
+    Several service names: one server hosts them all (the AsyncHybrid worker)."""
+    names = (service_name,) if isinstance(service_name, str) else service_name
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service_name),
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=names[0]),
         options=CHANNEL_OPTIONS,
     )
     register(server)
@@ -43,11 +45,11 @@ def make_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
-        raise OSError(f"{service_name}: cannot bind {address}")
+        raise OSError(f"{'+'.join(names)}: cannot bind {address}")
     server.start()
-    for name in ("", service_name):
+    for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s serving gRPC on port %d", service_name, port)
+    logger.info("%s serving gRPC on port %d", "+".join(names), port)
     return server, port
 
 

@@ -1,7 +1,8 @@
 """`reflow serve SERVICE`: build one service from the environment, serve it,
 and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
-Environment: REDIS_URL (replay, scheduler; an embedded Redis starts when it
+Environment: REFLOW_BACKEND (scheduler: local | kubernetes, see
+scheduler/kube.py for its settings), REDIS_URL (replay, scheduler; an embedded Redis starts when it
 is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
 (scheduler), REFLOW_SCHEDULER_ADDRESS, REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES
 (api), REFLOW_METRICS_PORT (Prometheus /metrics of every service).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -87,16 +89,24 @@ def serve_service(name: str, host: str, port: int) -> int:
         _start_metrics_server(metrics.registry)
         server, _ = serve(core, address)
         shutdown = lambda: None  # noqa: E731 - the train thread dies with the process
+    elif name == "worker":
+        server, shutdown = _serve_worker(address)
     elif name == "scheduler":
         import redis
 
         from reflow.scheduler.jobs import JobStore
-        from reflow.scheduler.local import LocalBackend
         from reflow.scheduler.server import serve
         from reflow.scheduler.service import Scheduler
 
         url, embedded = _redis_url()
-        core = Scheduler(JobStore(redis.Redis.from_url(url)), LocalBackend(url),
+        backend = _cluster_backend(url)
+        if hasattr(backend, "leader_lease"):
+            # Before recover(): a standby must not fail the running leader's jobs.
+            lease = backend.leader_lease(os.environ.get("REFLOW_LEASE_NAME", "reflow-scheduler"),
+                                         os.environ.get("REFLOW_POD_NAME") or socket.gethostname())
+            lease.acquire()
+            lease.keep(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        core = Scheduler(JobStore(redis.Redis.from_url(url)), backend,
                          Path(os.environ.get("REFLOW_RUNS_DIR", "runs")))
         from reflow.scheduler.metrics import scheduler_registry
 
@@ -116,6 +126,48 @@ def serve_service(name: str, host: str, port: int) -> int:
     if embedded is not None:
         embedded.stop()
     return 0
+
+
+def _serve_worker(address: str):
+    """An AsyncHybrid worker: the rollout and trainer services on one gRPC server,
+    so the scheduler can give the pod either role per job (paper §5)."""
+    from reflow import rpc
+    from reflow.rollout import server as rollout_server
+    from reflow.rollout.metrics import RolloutCollector
+    from reflow.rollout.service import RolloutService
+    from reflow.trainer import server as trainer_server
+    from reflow.trainer.metrics import TrainerMetrics
+    from reflow.trainer.service import TrainerService
+
+    rollout = RolloutService()
+    metrics = TrainerMetrics()
+    trainer = TrainerService(metrics=metrics)
+    metrics.registry.register(RolloutCollector(rollout))
+    _start_metrics_server(metrics.registry)
+    add_rollout, add_trainer = rollout_server.register(rollout), trainer_server.register(trainer)
+
+    def register(server) -> None:
+        add_rollout(server)
+        add_trainer(server)
+
+    server, _ = rpc.make_server((rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
+                                register, address)
+    return server, rollout.shutdown
+
+
+def _cluster_backend(redis_url: str):
+    """REFLOW_BACKEND: `local` (processes on this machine) or `kubernetes` (worker
+    pods of this release, found and labelled through the Kubernetes API)."""
+    backend = os.environ.get("REFLOW_BACKEND", "local")
+    if backend == "local":
+        from reflow.scheduler.local import LocalBackend
+
+        return LocalBackend(redis_url)
+    if backend == "kubernetes":
+        from reflow.scheduler.kube import KubernetesBackend
+
+        return KubernetesBackend.from_env()
+    raise SystemExit(f"REFLOW_BACKEND: {backend!r} is not one of local, kubernetes")
 
 
 def _serve_api(host: str, port: int) -> int:

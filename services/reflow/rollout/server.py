@@ -71,10 +71,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
 
-def serve(service: RolloutService, address: str) -> tuple[grpc.Server, int]:
+SERVICE_NAME = "reflow.v1.Rollout"
+
+
+def register(service: RolloutService):
+    """Adds the rollout servicer to a server (alone, or beside the trainer in a worker)."""
     servicer = RolloutServicer(service)
-    return rpc.make_server(
-        "reflow.v1.Rollout",
-        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
-        address,
-    )
+    return lambda server: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
+
+
+def serve(service: RolloutService, address: str) -> tuple[grpc.Server, int]:
+    return rpc.make_server(SERVICE_NAME, register(service), address)

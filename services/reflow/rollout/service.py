@@ -43,11 +43,16 @@ class RolloutService:
     def start_job(self, job_id: str, spec: JobSpec, replay_address: str) -> None:
         from transformers import AutoTokenizer
 
+        from reflow.models.tiny import ensure_model
+
         with self._lock:
             if self.worker is not None and self.worker.state in ("starting", "running"):
                 if self.worker.job_id == job_id:
                     return  # a retried start is a no-op
                 raise ValueError(f"this rollout worker already runs job {self.worker.job_id}")
+            # A no-op when the scheduler built it already; a worker pod with its own
+            # volume builds the preset itself (atomically, so racing pods are safe).
+            ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
             tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
             self._replay = self._replay_client_factory(replay_address)
             task = build_task(

@@ -59,6 +59,8 @@ class JobRecord:
     started_at: float = 0.0
     finished_at: float = 0.0
     run_dir: str = ""
+    # Where the job runs: role -> worker names (pods on Kubernetes; empty locally).
+    workers: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:

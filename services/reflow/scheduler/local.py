@@ -53,6 +53,11 @@ class Placement:
     def exited(self) -> list[tuple[str, int]]:
         return [(name, p.returncode) for name, p in self.processes.items() if p.poll() is not None]
 
+    @property
+    def workers(self) -> dict[str, list[str]]:
+        """Role -> worker names; local processes have none worth recording."""
+        return {}
+
 
 class LocalBackend:
     def __init__(self, redis_url: str, health_timeout_s: float = 120.0) -> None:
@@ -112,8 +117,15 @@ class LocalBackend:
             procs.terminate_tree(proc.pid, timeout_s=15)
             proc.wait()
 
+    def prepare(self, spec) -> None:
+        """Build the model preset once, here, before two services race to load it."""
+        from reflow.models.tiny import ensure_model
+
+        ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
+
     @staticmethod
-    def read_logs(run_dir: Path, services: list[str], tail_bytes: int) -> list[ServiceLog]:
+    def read_logs(run_dir: Path, services: list[str], tail_bytes: int,
+                  workers: dict[str, list[str]] | None = None) -> list[ServiceLog]:
         """The last `tail_bytes` of each service's log file; a service that has not
         started yet has an empty log."""
         out = []

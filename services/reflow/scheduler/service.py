@@ -20,7 +20,7 @@ from reflow.core.config import JobSpec
 from reflow.core.errors import Conflict
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
-from reflow.scheduler.local import LocalBackend, Placement, ServiceLog
+from reflow.scheduler.local import Placement, ServiceLog
 from reflow.trainer.client import GrpcTrainerClient
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Scheduler:
-    def __init__(self, store: JobStore, backend: LocalBackend, runs_root: Path) -> None:
+    def __init__(self, store: JobStore, backend, runs_root: Path) -> None:
+        """`backend`: LocalBackend or KubernetesBackend (place, release, prepare, read_logs)."""
         self.store = store
         self.backend = backend
         self.runs_root = Path(runs_root)
@@ -98,7 +99,8 @@ class Scheduler:
             raise ValueError(f"tail_bytes: {tail_bytes} is out of range; use 1 to {MAX_LOG_TAIL_BYTES}")
         record = self.store.get(job_id)
         return self.backend.read_logs(Path(record.run_dir),
-                                      [service] if service else list(LOG_SERVICES), tail_bytes)
+                                      [service] if service else list(LOG_SERVICES), tail_bytes,
+                                      record.workers)
 
     def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict]:
         return self.store.metrics(job_id, since_step, limit)
@@ -124,10 +126,12 @@ class Scheduler:
             run_dir.mkdir(parents=True, exist_ok=True)
             record.phase, record.started_at = "RUNNING", time.time()
             self.store.save(record)
-            self._prepare_model(record)
+            self.backend.prepare(JobSpec.model_validate_json(record.spec_json))
             placement = self.backend.place(record.job_id, run_dir)
             with self._lock:
                 self._placements[record.job_id] = placement
+            record.workers = placement.workers
+            self.store.save(record)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
             for client in rollouts:
@@ -147,14 +151,6 @@ class Scheduler:
             self.store.save(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
 
-    @staticmethod
-    def _prepare_model(record: JobRecord) -> None:
-        """Build the model preset once, here, before two services race to load it."""
-        from reflow.models.tiny import ensure_model
-
-        spec = JobSpec.model_validate_json(record.spec_json)
-        ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
-
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], stop: threading.Event) -> tuple[str, str]:
         while True:
@@ -166,7 +162,8 @@ class Scheduler:
             exited = placement.exited()
             if exited:
                 name, code = exited[0]
-                return "FAILED", f"{name} exited with code {code}; see {record.run_dir}/logs/{name}.log"
+                return "FAILED", (f"{name} exited with code {code}; "
+                                  f"see GET /v1/jobs/{record.job_id}/logs")
             for client in rollouts:
                 stats = client.stats(record.job_id)
                 if stats.state == "failed":

@@ -45,10 +45,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
 
-def serve(service: TrainerService, address: str) -> tuple[grpc.Server, int]:
+SERVICE_NAME = "reflow.v1.Trainer"
+
+
+def register(service: TrainerService):
+    """Adds the trainer servicer to a server (alone, or beside the rollout in a worker)."""
     servicer = TrainerServicer(service)
-    return rpc.make_server(
-        "reflow.v1.Trainer",
-        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
-        address,
-    )
+    return lambda server: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
+
+
+def serve(service: TrainerService, address: str) -> tuple[grpc.Server, int]:
+    return rpc.make_server(SERVICE_NAME, register(service), address)

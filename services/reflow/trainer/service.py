@@ -53,6 +53,9 @@ class TrainerService:
         loop = self.loop
         assert loop is not None
         try:
+            from reflow.models.tiny import ensure_model
+
+            ensure_model(loop.spec.model.path, loop.spec.model.build_if_missing, seed=loop.spec.seed)
             loop.load()
             loop.init_weight_sync()
             self.state = "running"

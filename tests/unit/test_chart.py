@@ -1,0 +1,188 @@
+"""The Helm chart: lint, schema, render with several values files, and every
+rendered manifest through `kubernetes-validate --strict`; plus the security
+and operability properties the chart promises."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "reflow"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+K8S_VERSIONS = ("1.25.0", "1.33.0")
+
+
+def render(values: dict, name: str = "rl", namespace: str = "ml") -> tuple[list[dict], str]:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(values)
+        files = chart.render(values, name=name, namespace=namespace, is_install=True)
+    docs = [d for path, text in sorted(files.items()) if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+    notes = next(text for path, text in files.items() if path.endswith("NOTES.txt"))
+    return docs, notes
+
+
+def by_kind(docs, kind):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_specs(docs):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+
+
+def test_the_chart_lints_clean():
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES, ids=lambda p: p.stem)
+def test_every_rendered_manifest_passes_kubernetes_validate_strict(values_file, tmp_path):
+    docs, _ = render(yaml.safe_load(values_file.read_text()) or {})
+    paths = []
+    for n, doc in enumerate(docs):
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: kubernetes-validate has no schema; checked below
+        path = tmp_path / f"{n:02d}-{doc['kind']}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        paths.append(str(path))
+    assert len(paths) >= 12
+    for version in K8S_VERSIONS:
+        result = subprocess.run(
+            [sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet", "-k", version, *paths],
+            capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_typo_in_values_fails_schema_validation():
+    with helm.Chart.load(str(CHART)) as chart:
+        for typo, named in (({"worker": {"replcas": 4}}, "replcas"),
+                            ({"api": {"auth": {"token": "x"}}}, "token"),
+                            ({"serviceMonitor": {"enabled": "yes"}}, "/serviceMonitor/enabled"),
+                            ({"worker": {"gpu": {"count": -1}}}, "/worker/gpu/count"),
+                            ({"metricsport": 9090}, "metricsport")):
+            with pytest.raises(Exception, match=named):
+                chart.validate_schema(typo)
+            with pytest.raises(Exception):
+                chart.render(typo, name="rl", namespace="ml")
+
+
+def test_pods_run_non_root_without_capabilities_under_runtime_default_seccomp():
+    docs, _ = render({})
+    specs = dict(pod_specs(docs))
+    assert set(specs) == {"rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay",
+                          "rl-reflow-redis", "rl-reflow-worker"}
+    for name, spec in specs.items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in spec["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["capabilities"] == {"drop": ["ALL"]}, name
+            assert ctx["allowPrivilegeEscalation"] is False, name
+            assert ctx["readOnlyRootFilesystem"] is True, name
+        # Only the scheduler talks to the Kubernetes API.
+        assert spec.get("automountServiceAccountToken", True) is (name == "rl-reflow-scheduler"), name
+
+
+def test_probes_grpc_health_and_a_startup_window_for_model_loading():
+    docs, _ = render({})
+    specs = dict(pod_specs(docs))
+    for name in ("rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker"):
+        c = specs[name]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" in c[probe], (name, probe)
+    startup = specs["rl-reflow-worker"]["containers"][0]["startupProbe"]
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 600
+    api = specs["rl-reflow-api"]["containers"][0]
+    assert api["readinessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_workers_request_gpus_under_a_configurable_resource_name():
+    docs, _ = render({"worker": {"gpu": {"resourceName": "amd.com/gpu", "count": 2}}})
+    worker = by_kind(docs, "StatefulSet")["rl-reflow-worker"]
+    resources = worker["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["amd.com/gpu"] == 2 and resources["requests"]["amd.com/gpu"] == 2
+    docs, _ = render({"worker": {"gpu": {"count": 0}, "imageFlavor": "cpu"}})
+    worker = by_kind(docs, "StatefulSet")["rl-reflow-worker"]
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert container["image"].endswith("-cpu") and container["args"][:2] == ["serve", "worker"]
+
+
+def test_the_scheduler_role_is_namespaced_and_minimal():
+    docs, _ = render({})
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role = by_kind(docs, "Role")["rl-reflow-scheduler"]
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"]) for r in role["rules"]}
+    assert rules == {
+        (("",), ("pods",)): ["get", "list", "patch", "watch"],
+        (("",), ("pods/log",)): ["get"],
+        (("coordination.k8s.io",), ("leases",)): ["create", "get", "patch"],
+    }
+    binding = by_kind(docs, "RoleBinding")["rl-reflow-scheduler"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-reflow-scheduler",
+                                    "namespace": "ml"}]
+
+
+def test_redis_keeps_an_append_only_file_and_services_get_its_password_from_a_secret():
+    docs, _ = render({})
+    redis = by_kind(docs, "StatefulSet")["rl-reflow-redis"]
+    assert "--appendonly yes" in redis["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    replay = by_kind(docs, "Deployment")["rl-reflow-replay"]
+    env = {e["name"]: e for e in replay["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rl-reflow-redis"
+    assert env["REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@rl-reflow-redis:6379/0"
+
+    docs, _ = render({"redis": {"enabled": False, "auth": {"existingSecret": "ext", "passwordKey": "pw"},
+                                "external": {"host": "r.example", "port": 6380, "db": 3, "tls": True}}})
+    assert "rl-reflow-redis" not in by_kind(docs, "StatefulSet")
+    assert not [d for d in docs if d["kind"] == "Secret" and "redis" in d["metadata"]["name"]]
+    replay = by_kind(docs, "Deployment")["rl-reflow-replay"]
+    env = {e["name"]: e for e in replay["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@r.example:6380/3"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "pw"}
+    with pytest.raises(Exception, match="redis.external.host"):
+        render({"redis": {"enabled": False}})
+
+
+def test_opt_in_servicemonitor_networkpolicy_and_dashboards_for_the_sidecar():
+    docs, notes = render({})
+    assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "NetworkPolicy")
+    assert "curl" in notes and "/v1/jobs" in notes and "REFLOW_API_TOKEN" in notes
+
+    docs, _ = render(yaml.safe_load((CHART / "ci" / "hardened-values.yaml").read_text()))
+    monitor = by_kind(docs, "ServiceMonitor")["rl-reflow"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    metrics_services = [s for s in by_kind(docs, "Service").values()
+                        if s["metadata"]["labels"].get("reflow.io/metrics") == "true"]
+    assert {s["metadata"]["name"] for s in metrics_services} == {
+        "rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker"}
+    for service in metrics_services:
+        assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    assert set(by_kind(docs, "NetworkPolicy")) == {"rl-reflow-internal", "rl-reflow-api"}
+    assert set(by_kind(docs, "PodDisruptionBudget")) == {"rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker"}
+
+    dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
+    assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    assert dashboards[0]["metadata"]["annotations"] == {"grafana_folder": "ReFlow"}
+    board = json.loads(next(iter(dashboards[0]["data"].values())))
+    assert len(board["panels"]) >= 9
+
+
+def test_the_plain_manifests_in_k8s_are_rendered_from_the_chart():
+    result = subprocess.run([sys.executable, str(REPO / "k8s" / "render.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = (REPO / "k8s" / "reflow.yaml").read_text()
+    assert "kind: Secret" not in text  # secrets are referenced, never rendered

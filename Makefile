@@ -9,7 +9,7 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup run test test-fast protos bench clean
+.PHONY: setup system-deps run test test-fast protos manifests bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,10 +21,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Prometheus (Debian package) for the test that scrapes a live run with it.
+system-deps:
+	@command -v prometheus >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "install Prometheus for the test suite: sudo apt-get install -y prometheus"; exit 1; fi; }
+
 run: setup
 	$(VENV)/bin/reflow run examples/quickstart.yaml
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest -q -ra tests
 
 test-fast: setup
@@ -32,6 +39,9 @@ test-fast: setup
 
 protos: setup
 	$(PY) -m reflow.protogen
+
+manifests: setup
+	$(PY) k8s/render.py
 
 clean:
 	rm -rf runs .reflow .pytest_cache

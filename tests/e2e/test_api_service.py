@@ -96,3 +96,23 @@ def test_jobs_survive_an_api_restart_and_submission_is_idempotent(control_plane,
     assert again.status_code == 200 and again.json() == job
     listed = reflow("jobs", "--url", url, "--token", TOKEN)
     assert listed.returncode == 0 and listed.stdout.count("keep-me") == 1
+
+
+def test_a_worker_serves_both_the_rollout_and_the_trainer_api(tmp_path):
+    """`reflow serve worker`, the AsyncHybrid worker pod's command."""
+    port, metrics_port = procs.free_port(), procs.free_port()
+    with open(tmp_path / "worker.log", "ab") as log:
+        worker = _serve("worker", port, {"REFLOW_METRICS_PORT": str(metrics_port)}, log)
+        try:
+            for service in ("", "reflow.v1.Rollout", "reflow.v1.Trainer"):
+                rpc.wait_healthy(f"127.0.0.1:{port}", 60, service=service)
+            from reflow.rollout.client import GrpcRolloutClient
+            from reflow.trainer.client import GrpcTrainerClient
+
+            assert GrpcTrainerClient(f"127.0.0.1:{port}").status().state == "idle"
+            with pytest.raises(Exception, match="no-such-job"):
+                GrpcRolloutClient(f"127.0.0.1:{port}").stats("no-such-job")
+            _wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(30) == 0

@@ -116,3 +116,28 @@ def test_one_scheduler_holds_the_lease_until_it_expires(kube):
     lease = coordination.read_namespaced_lease("rl-scheduler", "ml")
     assert lease.spec.holder_identity == "scheduler-b" and lease.spec.lease_transitions == 1
     assert not first.try_acquire()
+
+
+def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, worker_port, tmp_path,
+                                                                          redis_server, redis_client):
+    import redis
+
+    from reflow.scheduler.jobs import JobRecord, JobStore
+    from reflow.scheduler.service import Scheduler
+
+    api_client, _ = kube
+    core = client.CoreV1Api(api_client)
+    busy = {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "worker",
+            ROLE_LABEL: "trainer", JOB_LABEL: "was-running"}
+    core.create_namespaced_pod("ml", worker_pod("rl-worker-0", labels=busy))
+    core.create_namespaced_pod("ml", worker_pod("rl-worker-1", labels={**busy, ROLE_LABEL: "rollout"}))
+    store = JobStore(redis.Redis.from_url(redis_server.url))
+    store.create(JobRecord(job_id="was-running", name="a", spec_json="{}", phase="RUNNING",
+                           workers={"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}))
+    backend = _backend(api_client, worker_port)
+    assert backend.free_workers() == []
+
+    Scheduler(store, backend, tmp_path).recover()
+    assert store.get("was-running").phase == "FAILED"
+    assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-0", "rl-worker-1"]
+    assert _labels(core, "rl-worker-1")[ROLE_LABEL] == "idle"

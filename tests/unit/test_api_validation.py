@@ -40,3 +40,20 @@ def test_valid_spec_reaches_the_scheduler_and_unknown_job_is_404():
     assert len(sched.submitted) == 1
     assert client.get("/v1/jobs/nope").status_code == 404
     assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_api_settings_come_from_the_environment_and_name_a_bad_value(monkeypatch, tmp_path):
+    import pytest
+    from pydantic import ValidationError
+
+    from reflow.api.app import ApiSettings
+
+    token_file = tmp_path / "token"
+    token_file.write_text("from-secret\n")
+    monkeypatch.setenv("REFLOW_API_TOKEN", "from-env")
+    monkeypatch.setenv("REFLOW_API_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("REFLOW_API_MAX_BODY_BYTES", "4096")
+    assert ApiSettings.from_env() == ApiSettings(token="from-secret", max_body_bytes=4096)
+    monkeypatch.setenv("REFLOW_API_MAX_BODY_BYTES", "lots")
+    with pytest.raises(ValidationError, match="max_body_bytes"):
+        ApiSettings.from_env()

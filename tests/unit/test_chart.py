@@ -128,6 +128,9 @@ def test_the_scheduler_role_is_namespaced_and_minimal():
         (("",), ("pods/log",)): ["get"],
         (("coordination.k8s.io",), ("leases",)): ["create", "get", "patch"],
     }
+    docs_without_logs, _ = render({"scheduler": {"readPodLogs": False}})
+    role = by_kind(docs_without_logs, "Role")["rl-reflow-scheduler"]
+    assert [r["resources"] for r in role["rules"]] == [["pods"], ["leases"]]
     binding = by_kind(docs, "RoleBinding")["rl-reflow-scheduler"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-reflow-scheduler",
                                     "namespace": "ml"}]

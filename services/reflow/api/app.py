@@ -57,7 +57,8 @@ class ApiSettings(BaseModel):
         if token_file:
             token = Path(token_file).read_text().strip()
         raw_limit = os.environ.get("REFLOW_API_MAX_BODY_BYTES")
-        return cls(token=token, **({"max_body_bytes": int(raw_limit)} if raw_limit else {}))
+        # pydantic parses the string, so a bad value is reported as max_body_bytes.
+        return cls(token=token, **({"max_body_bytes": raw_limit} if raw_limit else {}))
 
 
 class JobSubmission(JobSpec):

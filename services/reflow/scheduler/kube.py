@@ -191,6 +191,37 @@ class KubernetesBackend:
                 if err.status != 404:  # a deleted pod needs no label
                     logger.warning("could not release pod %s: %s", name, err.reason)
 
+    def reclaim_orphans(self, active_job_ids: set[str]) -> list[str]:
+        """Worker pods still labelled with a job that is not running (its scheduler
+        died): stop that job on them, best effort, and label them idle again, or
+        they would never be free. Returns the pods reclaimed."""
+        from reflow.rollout.client import GrpcRolloutClient
+        from reflow.trainer.client import GrpcTrainerClient
+
+        s = self.settings
+        reclaimed = []
+        for pod in self.core.list_namespaced_pod(s.namespace, label_selector=s.worker_selector).items:
+            labels = pod.metadata.labels or {}
+            job_id = labels.get(JOB_LABEL)
+            if not job_id or job_id in active_job_ids or \
+                    any(labels.get(k) != v for k, v in self.selector.items()):
+                continue
+            client_cls = GrpcTrainerClient if labels.get(ROLE_LABEL) == "trainer" else GrpcRolloutClient
+            if pod.status and pod.status.pod_ip:
+                client = client_cls(f"{pod.status.pod_ip}:{s.worker_port}", deadline_s=10)
+                try:
+                    client.stop_job(job_id, deadline_s=30)
+                except Exception as err:  # noqa: BLE001 - the pod may not run it any more
+                    logger.warning("pod %s: could not stop orphaned job %s: %s",
+                                   pod.metadata.name, job_id, err)
+                finally:
+                    client.close()
+            self._label(pod.metadata.name, "idle", None)
+            reclaimed.append(pod.metadata.name)
+        if reclaimed:
+            logger.info("reclaimed worker pods of jobs no longer running: %s", reclaimed)
+        return reclaimed
+
     def lost_pods(self, placement: KubePlacement) -> list[tuple[str, int]]:
         """Pods of the placement that are gone, not running, or restarted since."""
         from kubernetes.client.exceptions import ApiException

@@ -43,13 +43,18 @@ class Scheduler:
         self._lock = threading.Lock()
 
     def recover(self) -> None:
-        """Jobs that were running when a previous scheduler died lost their local
-        processes with it: mark them failed rather than leave them RUNNING forever."""
+        """Jobs that were running when a previous scheduler died lost their watcher
+        (and, locally, their processes) with it: mark them failed rather than leave
+        them RUNNING forever, and have the backend take back any workers still
+        assigned to a job that no longer runs."""
         for record in list(self.store.all()):
             if not record.terminal:
                 record.phase, record.reason = "FAILED", "scheduler restarted while the job ran"
                 record.finished_at = time.time()
                 self.store.save(record)
+        reclaim = getattr(self.backend, "reclaim_orphans", None)
+        if reclaim is not None:
+            reclaim(active_job_ids=set())
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
         """Record and start a job. A given job_id makes this idempotent: the same spec

@@ -93,7 +93,7 @@ def run_local(spec: JobSpec, out: str | None) -> int:
                               {**env, "REFLOW_METRICS_PORT": str(ports["api"][1])}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
         api = f"http://127.0.0.1:{api_port}"
-        _wait_http(f"{api}/healthz", 60)
+        wait_http(f"{api}/healthz", 60)
         token = os.environ.get("REFLOW_API_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         scheduler = GrpcSchedulerClient(f"127.0.0.1:{sched_port}")
@@ -136,7 +136,7 @@ def _record_endpoints(run_dir: Path, addresses: dict, metrics: dict[str, str]) -
                                for name in addresses})
 
 
-def _wait_http(url: str, timeout_s: float) -> None:
+def wait_http(url: str, timeout_s: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from reflow import procs, rpc
+from reflow.launcher import wait_http
 from reflow.replay.embedded import EmbeddedRedis
 
 from tests.e2e.test_cli import REPO, reflow
@@ -22,18 +23,6 @@ TOKEN = "e2e-token-abcdef"
 def _serve(service, port, env, log):
     return subprocess.Popen([sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)],
                             cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_http(url, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 @pytest.fixture
@@ -52,7 +41,7 @@ def control_plane(tmp_path):
     def start_api():
         proc = _serve("api", api_port, env, log)
         started.append(proc)
-        _wait_http(f"http://127.0.0.1:{api_port}/healthz")
+        wait_http(f"http://127.0.0.1:{api_port}/healthz", 60)
         return proc
 
     yield f"http://127.0.0.1:{api_port}", start_api, metrics_port
@@ -112,7 +101,7 @@ def test_a_worker_serves_both_the_rollout_and_the_trainer_api(tmp_path):
             assert GrpcTrainerClient(f"127.0.0.1:{port}").status().state == "idle"
             with pytest.raises(Exception, match="no-such-job"):
                 GrpcRolloutClient(f"127.0.0.1:{port}").stats("no-such-job")
-            _wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
+            wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 60)
         finally:
             worker.send_signal(signal.SIGTERM)
             assert worker.wait(30) == 0

@@ -21,11 +21,17 @@ logger = logging.getLogger(__name__)
 def _load_recorder(load: EngineLoad):
     """A vLLM stat logger class that copies scheduler stats into `load`. vLLM calls
     it on its output-handler task after every engine step; SchedulerStats is not a
-    stable vLLM interface, so it is read defensively here and nowhere else."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
+    stable vLLM interface, so it is read defensively here and nowhere else.
 
-    class LoadRecorder(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+    It poses as vLLM's Prometheus logger (subclass, no set-up), because vLLM adds
+    its own Prometheus logger beside any custom one otherwise: that one records a
+    dozen histograms per step into a registry nobody scrapes, and cost about 6% of
+    trainer throughput on the CPU quickstart. `bench/engine_stats.py` measures what
+    the stats still cost; REFLOW_ENGINE_STATS=0 turns them off."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class LoadRecorder(PrometheusStatLogger):
+        def __init__(self, vllm_config, engine_indexes=None) -> None:  # noqa: D107 - no super()
             pass
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
@@ -36,7 +42,16 @@ def _load_recorder(load: EngineLoad):
             if iteration_stats is not None:
                 load.preempted_requests_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
 
+        def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
         def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
             pass
 
     return LoadRecorder
@@ -68,8 +83,12 @@ class VllmEngine:
             disable_log_stats=True,
         )
         # Our recorder replaces vLLM's periodic log line; it only keeps the numbers.
-        self.load = EngineLoad()
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_load_recorder(self.load)])
+        self.load: EngineLoad | None = None
+        stat_loggers = None
+        if os.environ.get("REFLOW_ENGINE_STATS", "1") != "0":
+            self.load = EngineLoad()
+            stat_loggers = [_load_recorder(self.load)]
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec

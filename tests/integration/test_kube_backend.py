@@ -9,6 +9,7 @@ import pytest
 from kubernetes import client
 
 from reflow import rpc
+from reflow.core.errors import NoCapacity
 from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings, parse_selector
 
 from tests.integration.kube_emulator import kube_emulator, worker_pod
@@ -60,7 +61,7 @@ def test_a_job_takes_ready_free_workers_of_its_release_and_gives_them_back(kube,
     assert ROLE_LABEL not in _labels(core, "other-worker-0")  # another release: untouched
     assert placement.exited() == []
 
-    with pytest.raises(RuntimeError, match="worker.replicas"):
+    with pytest.raises(NoCapacity, match="worker.replicas"):
         backend.place("job-b", tmp_path)  # every ready worker is busy
 
     backend.release(placement)

@@ -1,14 +1,15 @@
 """The scheduler over real gRPC with its job store in a real Redis."""
 
+import threading
 import time
 
 import pytest
 import redis
 
-from reflow.core.errors import Conflict, InvalidArgument, NotFound
+from reflow.core.errors import Conflict, InvalidArgument, NoCapacity, NotFound
 from reflow.scheduler.client import GrpcSchedulerClient
 from reflow.scheduler.jobs import JobRecord, JobStore
-from reflow.scheduler.local import LocalBackend
+from reflow.scheduler.local import LocalBackend, Placement
 from reflow.scheduler.server import serve
 from reflow.scheduler.service import Scheduler
 
@@ -104,3 +105,53 @@ def test_resubmission_is_idempotent_and_a_changed_spec_conflicts(scheduler, tmp_
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert job.phase == "FAILED" and "model.path" in job.reason
+
+
+class FullBackend:
+    """A backend with no free workers until `free` is set; then it places the job
+    on addresses where nothing listens."""
+
+    def __init__(self):
+        self.free = threading.Event()
+        self.placed = []
+
+    def prepare(self, spec):
+        pass
+
+    def place(self, job_id, run_dir):
+        if not self.free.is_set():
+            raise NoCapacity("job needs 2 free workers and 0 are free")
+        self.placed.append(job_id)
+        return Placement(replay_address="127.0.0.1:1", rollout_addresses=["127.0.0.1:1"],
+                         trainer_address="127.0.0.1:1")
+
+    def release(self, placement):
+        pass
+
+
+def _wait_for(fn, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while not (value := fn()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return value
+
+
+def test_a_job_waits_pending_for_free_workers_and_can_be_stopped_there(redis_server, redis_client,
+                                                                       tmp_path, monkeypatch):
+    monkeypatch.setattr("reflow.scheduler.service.QUEUE_RETRY_S", 0.05)
+    backend = FullBackend()
+    core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend, tmp_path)
+    spec = '{"model": {"path": "/m"}}'
+    core.submit(spec, job_id="queued")
+    job = _wait_for(lambda: (j := core.get("queued")).reason and j)
+    assert job.phase == "PENDING" and "0 are free" in job.reason and job.started_at == 0
+    stopped = core.stop("queued")
+    assert stopped.phase == "STOPPED" and "waiting for workers" in stopped.reason
+
+    core.submit(spec, job_id="lucky")
+    _wait_for(lambda: core.get("lucky").reason)
+    backend.free.set()
+    # Placed once workers are free; nothing serves those addresses, so it then fails.
+    job = _wait_for(lambda: (j := core.get("lucky")).terminal and j)
+    assert backend.placed == ["lucky"] and job.phase == "FAILED" and job.started_at > 0

@@ -21,3 +21,7 @@ class Unavailable(RuntimeError):
 
 class Conflict(Exception):
     """The request clashes with existing state (an id reused for something else)."""
+
+
+class NoCapacity(RuntimeError):
+    """Not enough free workers for a job right now; it waits and retries."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from reflow import rpc
+from reflow.core.errors import NoCapacity
 from reflow.scheduler.local import Placement, ServiceLog
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class KubernetesBackend:
         s = self.settings
         free = self.free_workers()
         if len(free) < 2:
-            raise RuntimeError(
+            raise NoCapacity(
                 f"job {job_id} needs 2 ready, unassigned worker pods ({s.worker_selector}) and "
                 f"{len(free)} are free; scale the workers (worker.replicas) or wait for a job to end")
         trainer, rollouts = free[0], free[1:]

@@ -1,6 +1,7 @@
 """The scheduler's core: job lifecycles.
 
-A submitted job is recorded PENDING, placed by the cluster backend, started
+A submitted job is recorded PENDING, placed by the cluster backend (it stays
+PENDING, its reason saying why, while the backend has no free workers), started
 on its services (rollout first, so the engine warms while the trainer
 loads), then watched: progress comes from the trainer's status, failures
 from any service process exiting or reporting an error. At the end its
@@ -17,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from reflow.core.config import JobSpec
-from reflow.core.errors import Conflict
+from reflow.core.errors import Conflict, NoCapacity
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
@@ -26,6 +27,8 @@ from reflow.trainer.client import GrpcTrainerClient
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.0
+# How often a job waiting for free workers tries again.
+QUEUE_RETRY_S = 5.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
 # Job ids end up in Kubernetes labels and DNS names: a DNS-1123 label.
 JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -129,12 +132,14 @@ class Scheduler:
         run_dir = Path(record.run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            record.phase, record.started_at = "RUNNING", time.time()
-            self.store.save(record)
             self.backend.prepare(JobSpec.model_validate_json(record.spec_json))
-            placement = self.backend.place(record.job_id, run_dir)
+            placement = self._place_when_free(record, run_dir, stop)
+            if placement is None:
+                record.phase, record.reason = "STOPPED", "stopped while waiting for workers"
+                return
             with self._lock:
                 self._placements[record.job_id] = placement
+            record.phase, record.reason, record.started_at = "RUNNING", "", time.time()
             record.workers = placement.workers
             self.store.save(record)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
@@ -155,6 +160,20 @@ class Scheduler:
             record.finished_at = time.time()
             self.store.save(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
+
+    def _place_when_free(self, record: JobRecord, run_dir: Path,
+                         stop: threading.Event) -> Placement | None:
+        """Place the job, waiting PENDING (the reason says for what) while the
+        backend has no room; None when the job is stopped before it gets any."""
+        while True:
+            try:
+                return self.backend.place(record.job_id, run_dir)
+            except NoCapacity as err:
+                if record.reason != str(err):
+                    record.reason = str(err)
+                    self.store.save(record)
+            if stop.wait(QUEUE_RETRY_S):
+                return None
 
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], stop: threading.Event) -> tuple[str, str]:

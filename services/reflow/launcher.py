@@ -62,6 +62,7 @@ def run_local(spec: JobSpec, out: str | None) -> int:
     from reflow.replay.embedded import EmbeddedRedis
     from reflow.report import plot, read_metrics, summarize
     from reflow.scheduler.client import GrpcSchedulerClient
+    from reflow.scheduler.local import record_endpoints
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out or f"runs/{spec.name}-{stamp}").absolute()
@@ -80,17 +81,17 @@ def run_local(spec: JobSpec, out: str | None) -> int:
     try:
         redis = EmbeddedRedis(run_dir / "redis").start()
         env = {"REDIS_URL": redis.url, "REFLOW_RUNS_DIR": str(run_dir.parent)}
-        ports = {name: (procs.free_port(), procs.free_port()) for name in ("scheduler", "api")}
-        _record_endpoints(run_dir, {
-            "scheduler": {"grpc": f"127.0.0.1:{ports['scheduler'][0]}"},
-            "api": {"http": f"127.0.0.1:{ports['api'][0]}"},
-        }, {name: f"127.0.0.1:{metrics}" for name, (_, metrics) in ports.items()})
-        sched_port, api_port = ports["scheduler"][0], ports["api"][0]
+        sched_port, api_port = procs.free_port(), procs.free_port()
+        sched_metrics, api_metrics = procs.free_port(), procs.free_port()
+        record_endpoints(run_dir, {
+            "scheduler": {"grpc": f"127.0.0.1:{sched_port}", "metrics": f"127.0.0.1:{sched_metrics}"},
+            "api": {"http": f"127.0.0.1:{api_port}", "metrics": f"127.0.0.1:{api_metrics}"},
+        })
         started.append(_start("scheduler", sched_port, run_dir,
-                              {**env, "REFLOW_METRICS_PORT": str(ports["scheduler"][1])}))
+                              {**env, "REFLOW_METRICS_PORT": str(sched_metrics)}))
         env["REFLOW_SCHEDULER_ADDRESS"] = f"127.0.0.1:{sched_port}"
         started.append(_start("api", api_port, run_dir,
-                              {**env, "REFLOW_METRICS_PORT": str(ports["api"][1])}))
+                              {**env, "REFLOW_METRICS_PORT": str(api_metrics)}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
         api = f"http://127.0.0.1:{api_port}"
         wait_http(f"{api}/healthz", 60)
@@ -127,13 +128,6 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         plot(records, run_dir / "report.png", title=f"{spec.name} ({phase.lower()})")
     print(json.dumps(summary, indent=2))
     return 0 if phase == "SUCCEEDED" else 1
-
-
-def _record_endpoints(run_dir: Path, addresses: dict, metrics: dict[str, str]) -> None:
-    from reflow.scheduler.local import record_endpoints
-
-    record_endpoints(run_dir, {name: {**addresses[name], "metrics": metrics[name]}
-                               for name in addresses})
 
 
 def wait_http(url: str, timeout_s: float) -> None:

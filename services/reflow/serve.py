@@ -1,11 +1,12 @@
 """`reflow serve SERVICE`: build one service from the environment, serve it,
 and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
-Environment: REFLOW_BACKEND (scheduler: local | kubernetes, see
-scheduler/kube.py for its settings), REDIS_URL (replay, scheduler; an embedded Redis starts when it
-is unset), REFLOW_DATA_DIR (embedded Redis data), REFLOW_RUNS_DIR
-(scheduler), REFLOW_SCHEDULER_ADDRESS, REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES
-(api), REFLOW_METRICS_PORT (Prometheus /metrics of every service).
+Environment: REFLOW_BACKEND (scheduler: local | kubernetes; see
+scheduler/kube.py for the latter's settings), REDIS_URL (replay, scheduler;
+an embedded Redis starts when it is unset), REFLOW_DATA_DIR (embedded Redis
+data), REFLOW_RUNS_DIR (scheduler), REFLOW_SCHEDULER_ADDRESS,
+REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api),
+REFLOW_METRICS_PORT (Prometheus /metrics of every service).
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ def serve_service(name: str, host: str, port: int) -> int:
 
         url, embedded = _redis_url()
         backend = _cluster_backend(url)
-        if hasattr(backend, "leader_lease"):
+        lease = backend.leader_lease(os.environ.get("REFLOW_LEASE_NAME", "reflow-scheduler"),
+                                     os.environ.get("REFLOW_POD_NAME") or socket.gethostname())
+        if lease is not None:
             # Before recover(): a standby must not fail the running leader's jobs.
-            lease = backend.leader_lease(os.environ.get("REFLOW_LEASE_NAME", "reflow-scheduler"),
-                                         os.environ.get("REFLOW_POD_NAME") or socket.gethostname())
             lease.acquire()
             lease.keep(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
         core = Scheduler(JobStore(redis.Redis.from_url(url)), backend,

@@ -226,10 +226,8 @@ def create_app(scheduler, settings: ApiSettings | None = None,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                              "description": "The log tail(s), as text."}, **_NOT_FOUND})
     def job_logs(job_id: str,
-                 service: str = Query("", description="replay, rollout or trainer; all if empty"),
+                 service: str = Query("", description=f"one of {', '.join(LOG_SERVICES)}; all if empty"),
                  tail_bytes: int = Query(65536, ge=1, le=8 << 20)) -> PlainTextResponse:
-        if service and service not in LOG_SERVICES:
-            raise HTTPException(422, f"service: {service!r} is not one of {', '.join(LOG_SERVICES)}")
         logs = _call(scheduler.logs, job_id, service, tail_bytes)
         if service:
             return PlainTextResponse(logs[0].text if logs else "")

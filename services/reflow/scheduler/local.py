@@ -117,6 +117,15 @@ class LocalBackend:
             procs.terminate_tree(proc.pid, timeout_s=15)
             proc.wait()
 
+    def leader_lease(self, name: str, identity: str) -> None:
+        """A local scheduler is alone by construction: no lease."""
+        return None
+
+    def reclaim_orphans(self, active_job_ids: set[str]) -> list[str]:
+        """Nothing to take back: a job's processes die with the scheduler that
+        started them (PDEATHSIG)."""
+        return []
+
     def prepare(self, spec) -> None:
         """Build the model preset once, here, before two services race to load it."""
         from reflow.models.tiny import ensure_model

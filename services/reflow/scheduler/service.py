@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -36,7 +36,8 @@ JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 class Scheduler:
     def __init__(self, store: JobStore, backend, runs_root: Path) -> None:
-        """`backend`: LocalBackend or KubernetesBackend (place, release, prepare, read_logs)."""
+        """`backend`: LocalBackend or KubernetesBackend (prepare, place, release,
+        read_logs, reclaim_orphans, leader_lease)."""
         self.store = store
         self.backend = backend
         self.runs_root = Path(runs_root)
@@ -55,9 +56,7 @@ class Scheduler:
                 record.phase, record.reason = "FAILED", "scheduler restarted while the job ran"
                 record.finished_at = time.time()
                 self.store.save(record)
-        reclaim = getattr(self.backend, "reclaim_orphans", None)
-        if reclaim is not None:
-            reclaim(active_job_ids=set())
+        self.backend.reclaim_orphans(active_job_ids=set())
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
         """Record and start a job. A given job_id makes this idempotent: the same spec

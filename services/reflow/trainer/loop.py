@@ -100,7 +100,6 @@ class TrainLoop:
         self.metrics = metrics
         self.step = 0
         self.policy_version = 0
-        self.last_metrics: dict[str, Any] = {}
         # Recent per-step records for the scheduler, which polls about once a second
         # and copies them into the job store; bounded so a lost poller costs no memory.
         self.recent_metrics: deque[dict[str, Any]] = deque(maxlen=RECENT_METRICS_STEPS)
@@ -306,8 +305,11 @@ class TrainLoop:
             "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
         }
 
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        return self.recent_metrics[-1] if self.recent_metrics else {}
+
     def _emit(self, record: dict[str, Any]) -> None:
-        self.last_metrics = record
         self.recent_metrics.append(record)
         logger.info(
             "job %s step %d v%d reward %.3f tokens/s %.0f idle %.2f",

@@ -9,7 +9,7 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup system-deps run test test-fast protos manifests bench clean
+.PHONY: setup system-deps security-lint run test test-fast protos manifests bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,10 +28,14 @@ system-deps:
 	    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "install Prometheus for the test suite: sudo apt-get install -y prometheus"; exit 1; fi; }
 
+# Bandit over services/; pyproject.toml [tool.bandit] excludes the generated gRPC code.
+security-lint: setup
+	$(PY) -m bandit -q -c pyproject.toml -r services
+
 run: setup
 	$(VENV)/bin/reflow run examples/quickstart.yaml
 
-test: setup system-deps
+test: setup system-deps security-lint
 	$(PY) -m pytest -q -ra tests
 
 test-fast: setup

@@ -43,3 +43,20 @@ def tiny_model(tmp_path_factory) -> str:
 def _vllm_env(tmp_path_factory):
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _path_roots(tmp_path_factory):
+    """Services confine every path to the operator's roots; in tests both roots are
+    pytest's base temp dir, which holds every tmp_path and the tiny model. Tests of
+    the confinement itself pass roots of their own."""
+    base = str(tmp_path_factory.getbasetemp())
+    os.environ["REFLOW_RUNS_DIR"] = base
+    os.environ["REFLOW_MODELS_DIR"] = base
+
+
+@pytest.fixture
+def roots(tmp_path):
+    from reflow.core.paths import PathRoots
+
+    return PathRoots(runs=tmp_path, models=tmp_path)

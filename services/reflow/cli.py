@@ -1,7 +1,7 @@
 """The `reflow` command line.
 
     reflow run CONFIG [--out DIR] [--dry-run] [section.field=value ...]
-    reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P]
+    reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P] [--insecure-no-auth]
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(os.environ.get("REFLOW_LOG_LEVEL", "INFO"))
     from reflow.serve import serve_service
 
-    return serve_service(args.service, args.host, args.port)
+    return serve_service(args.service, args.host, args.port, args.insecure_no_auth)
 
 
 def _api_headers(args: argparse.Namespace) -> dict[str, str]:
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=SERVICES)
     serve.add_argument("--host", default=os.environ.get("REFLOW_HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(os.environ.get("REFLOW_PORT", "0")))
+    serve.add_argument("--insecure-no-auth", action="store_true",
+                       help="api only: serve /v1 without a bearer token (anyone who reaches the "
+                       "port can run jobs); never outside a private loopback test")
     serve.set_defaults(fn=cmd_serve)
 
     submit = sub.add_parser("submit", help="submit a job to a running API")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from reflow.core.config import JobSpec, dump_job_spec
+from reflow.core.paths import MODELS_ROOT_ENV, RUNS_ROOT_ENV
 from reflow.scheduler.jobs import TERMINAL
 
 
@@ -80,7 +82,12 @@ def run_local(spec: JobSpec, out: str | None) -> int:
     phase = "FAILED"
     try:
         redis = EmbeddedRedis(run_dir / "redis").start()
-        env = {"REDIS_URL": redis.url, "REFLOW_RUNS_DIR": str(run_dir.parent)}
+        # The roots this run's services accept paths under: the run directory's
+        # parent, and the models root (by default the directory holding the spec's
+        # model: `reflow run` trusts its own command line, not the network).
+        models_root = os.environ.get(MODELS_ROOT_ENV) or str(Path(spec.model.path).parent)
+        env = {"REDIS_URL": redis.url, RUNS_ROOT_ENV: str(run_dir.parent),
+               MODELS_ROOT_ENV: models_root}
         sched_port, api_port = procs.free_port(), procs.free_port()
         sched_metrics, api_metrics = procs.free_port(), procs.free_port()
         record_endpoints(run_dir, {
@@ -90,16 +97,22 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         started.append(_start("scheduler", sched_port, run_dir,
                               {**env, "REFLOW_METRICS_PORT": str(sched_metrics)}))
         env["REFLOW_SCHEDULER_ADDRESS"] = f"127.0.0.1:{sched_port}"
+        # Auth is on here too: a random token for this run, readable by its owner only.
+        token = secrets.token_urlsafe(32)
+        token_file = run_dir / "api-token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(token + "\n")
         started.append(_start("api", api_port, run_dir,
-                              {**env, "REFLOW_METRICS_PORT": str(api_metrics)}))
+                              {**env, "REFLOW_METRICS_PORT": str(api_metrics),
+                               "REFLOW_API_TOKEN_FILE": str(token_file)}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
         api = f"http://127.0.0.1:{api_port}"
         wait_http(f"{api}/healthz", 60)
-        token = os.environ.get("REFLOW_API_TOKEN", "")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Authorization": f"Bearer {token}"}
         scheduler = GrpcSchedulerClient(f"127.0.0.1:{sched_port}")
         scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
         print(f"job {job_id}: run directory {run_dir}", flush=True)
+        print(f"REST API {api} (bearer token in {token_file})", flush=True)
         progress = _Progress(spec.trainer.num_steps)
         while True:
             job = httpx.get(f"{api}/v1/jobs/{job_id}", headers=headers, timeout=10).json()

@@ -4,8 +4,11 @@ and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 Environment: REFLOW_BACKEND (scheduler: local | kubernetes; see
 scheduler/kube.py for the latter's settings), REDIS_URL (replay, scheduler;
 an embedded Redis starts when it is unset), REFLOW_DATA_DIR (embedded Redis
-data), REFLOW_RUNS_DIR (scheduler), REFLOW_SCHEDULER_ADDRESS,
-REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api),
+data), REFLOW_RUNS_DIR and REFLOW_MODELS_DIR (scheduler, rollout, trainer, worker:
+the roots every path in a spec or RPC must lie under), REFLOW_MAX_* (scheduler:
+operator ceilings, see core/limits.py), REFLOW_SCHEDULER_ADDRESS,
+REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api; without a token the
+API refuses to start unless given --insecure-no-auth),
 REFLOW_METRICS_PORT (Prometheus /metrics of every service).
 """
 
@@ -49,14 +52,16 @@ def _start_metrics_server(registry) -> None:
         logger.info("metrics on :%s/metrics", port)
 
 
-def serve_service(name: str, host: str, port: int) -> int:
+def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = False) -> int:
     from reflow.procs import apply_cpu_affinity
 
     apply_cpu_affinity()
     address = f"{host}:{port}"
     embedded = None
     if name == "api":
-        return _serve_api(host, port)
+        return _serve_api(host, port, insecure_no_auth)
+    if insecure_no_auth:
+        raise SystemExit("--insecure-no-auth applies to `reflow serve api` only")
     if name == "replay":
         from reflow.replay.server import serve
         from reflow.replay.store import ReplayStore
@@ -107,8 +112,15 @@ def serve_service(name: str, host: str, port: int) -> int:
             # Before recover(): a standby must not fail the running leader's jobs.
             lease.acquire()
             lease.keep(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
-        core = Scheduler(JobStore(redis.Redis.from_url(url)), backend,
-                         Path(os.environ.get("REFLOW_RUNS_DIR", "runs")))
+        from reflow.core.limits import OperatorLimits
+        from reflow.core.paths import PathRoots
+
+        try:
+            limits = OperatorLimits.from_env()
+        except ValueError as err:
+            raise SystemExit(f"scheduler settings: {err}") from None
+        core = Scheduler(JobStore(redis.Redis.from_url(url)), backend, PathRoots.from_env(),
+                         limits)
         from reflow.scheduler.metrics import scheduler_registry
 
         core.recover()
@@ -152,7 +164,8 @@ def _serve_worker(address: str):
         add_trainer(server)
 
     server, _ = rpc.make_server((rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
-                                register, address)
+                                register, address,
+                                long_methods=rollout_server.LONG_METHODS + trainer_server.LONG_METHODS)
     return server, rollout.shutdown
 
 
@@ -171,16 +184,20 @@ def _cluster_backend(redis_url: str):
     raise SystemExit(f"REFLOW_BACKEND: {backend!r} is not one of local, kubernetes")
 
 
-def _serve_api(host: str, port: int) -> int:
+def _serve_api(host: str, port: int, insecure_no_auth: bool) -> int:
     import uvicorn
     from prometheus_client import CollectorRegistry
 
     from reflow.api.app import ApiSettings, create_app
     from reflow.scheduler.client import GrpcSchedulerClient
 
+    try:
+        settings = ApiSettings.from_env(insecure_no_auth=insecure_no_auth)
+    except ValueError as err:
+        raise SystemExit(f"api: {err}") from None
     registry = CollectorRegistry()
     _start_metrics_server(registry)
     scheduler = GrpcSchedulerClient(os.environ.get("REFLOW_SCHEDULER_ADDRESS", "127.0.0.1:50051"))
-    app = create_app(scheduler, ApiSettings.from_env(), registry)
+    app = create_app(scheduler, settings, registry)
     uvicorn.run(app, host=host, port=port or 8000, log_level="warning")
     return 0

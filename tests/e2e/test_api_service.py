@@ -105,3 +105,25 @@ def test_a_worker_serves_both_the_rollout_and_the_trainer_api(tmp_path):
         finally:
             worker.send_signal(signal.SIGTERM)
             assert worker.wait(30) == 0
+
+
+@pytest.mark.security
+def test_the_api_refuses_to_start_without_a_token_unless_told_to_run_open(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REFLOW_API_TOKEN", "REFLOW_API_TOKEN_FILE")}
+    port = procs.free_port()
+    refused = subprocess.run([sys.executable, "-m", "reflow.cli", "serve", "api", "--port",
+                              str(port)], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode != 0
+    assert "no API token" in refused.stderr and "REFLOW_API_TOKEN_FILE" in refused.stderr
+    with open(tmp_path / "api.log", "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "reflow.cli", "serve", "api", "--port",
+                                str(port), "--insecure-no-auth"], cwd=REPO, env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz", 60)
+        finally:
+            api.send_signal(signal.SIGTERM)
+            api.wait(30)
+    assert "NO AUTHENTICATION" in (tmp_path / "api.log").read_text()

@@ -86,6 +86,9 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phase"] == "SUCCEEDED" and summary["steps"] == 4
     assert (out / "report.png").stat().st_size > 10_000
+    # The run's API had auth on: a random token, readable by its owner only.
+    token_file = out / "api-token"
+    assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text().strip()) >= 32
     assert "num_steps: 4" in (out / "config.yaml").read_text()
 
 

@@ -12,6 +12,8 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from reflow.api.app import ApiSettings, create_app
+from reflow.core.limits import OperatorLimits
+from reflow.core.paths import PathRoots
 from reflow.scheduler.client import GrpcSchedulerClient
 from reflow.scheduler.jobs import JobStore
 from reflow.scheduler.local import LocalBackend
@@ -31,10 +33,12 @@ class RecordOnlyScheduler(Scheduler):
 
 
 @contextmanager
-def api_stack(redis_url: str, runs_root: Path, settings: ApiSettings | None = None):
-    """(app, core, registry) with the app talking to the scheduler over gRPC."""
-    core = RecordOnlyScheduler(JobStore(redis.Redis.from_url(redis_url)),
-                               LocalBackend(redis_url), runs_root)
+def api_stack(redis_url: str, root: Path, settings: ApiSettings | None = None,
+              limits: OperatorLimits | None = None, scheduler_cls=RecordOnlyScheduler):
+    """(app, core, registry) with the app talking to the scheduler over gRPC; `root`
+    is both the runs and the models root."""
+    core = scheduler_cls(JobStore(redis.Redis.from_url(redis_url)),
+                         LocalBackend(redis_url), PathRoots(root, root), limits)
     server, port = serve(core, "127.0.0.1:0")
     client = GrpcSchedulerClient(f"127.0.0.1:{port}")
     registry = CollectorRegistry()

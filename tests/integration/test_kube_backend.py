@@ -8,6 +8,7 @@ import kmock
 import pytest
 from kubernetes import client
 
+from reflow.core.paths import PathRoots
 from reflow import rpc
 from reflow.core.errors import NoCapacity
 from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings, parse_selector
@@ -138,7 +139,7 @@ def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, wo
     backend = _backend(api_client, worker_port)
     assert backend.free_workers() == []
 
-    Scheduler(store, backend, tmp_path).recover()
+    Scheduler(store, backend, PathRoots(tmp_path, tmp_path)).recover()
     assert store.get("was-running").phase == "FAILED"
     assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-0", "rl-worker-1"]
     assert _labels(core, "rl-worker-1")[ROLE_LABEL] == "idle"

@@ -47,7 +47,7 @@ def test_short_job_trains_and_syncs_weights_exactly(redis_server, redis_client, 
     trainer = GrpcTrainerClient(f"127.0.0.1:{trainer_port}")
     replay = GrpcReplayClient(replay_addr)
     try:
-        rollout.start_job("it", spec.model_dump_json(), replay_addr)
+        rollout.start_job("it", spec.model_dump_json(), replay_addr, 1, 2, "127.0.0.1")
         trainer.start_job("it", spec.model_dump_json(), replay_addr, [rollout_addr], str(tmp_path))
         status = _wait(lambda: (s := trainer.status("it")).state in ("succeeded", "failed") and s,
                        300, "the trainer to finish")

@@ -96,10 +96,15 @@ def test_medium_reward_sampler_skips_solved_and_unsolved_groups(store):
     assert {t.group_id for t in batch.trajectories} == {"mixed"}
 
 
-def test_user_plugins_load_by_import_path():
-    config = ReplayConfig(sampler="reflow.replay.plugins:UniformSampler",
-                          replay_filter="reflow.replay.plugins:MaxUseCount",
-                          filter_args={"max_uses": 3})
+def test_plugins_are_named_by_registry_name_never_by_import_path():
+    config = ReplayConfig(sampler="medium_reward", sampler_args={"low": 0.1, "high": 0.9},
+                          replay_filter="max_use_count", filter_args={"max_uses": 3})
     assert config.filter_args == {"max_uses": 3}
-    with pytest.raises(ValueError, match="cannot import"):
-        ReplayConfig(sampler="nowhere.module:Thing")
+    # Even a path to a real built-in class is refused: specs name, never locate.
+    with pytest.raises(ValueError, match="module paths are not accepted"):
+        ReplayConfig(sampler="reflow.replay.plugins:UniformSampler")
+    # Arguments are checked against the plug-in's own model, field named.
+    with pytest.raises(ValueError, match=r"replay.sampler_args: low \(0.9\) must be below"):
+        ReplayConfig(sampler="medium_reward", sampler_args={"low": 0.9, "high": 0.1})
+    with pytest.raises(ValueError, match="replay.filter_args.max_uses"):
+        ReplayConfig(replay_filter="max_use_count", filter_args={"max_uses": 0})

@@ -6,6 +6,7 @@ import time
 import pytest
 import redis
 
+from reflow.core.paths import PathRoots
 from reflow.core.errors import Conflict, InvalidArgument, NoCapacity, NotFound
 from reflow.scheduler.client import GrpcSchedulerClient
 from reflow.scheduler.jobs import JobRecord, JobStore
@@ -17,7 +18,7 @@ from reflow.scheduler.service import Scheduler
 @pytest.fixture
 def scheduler(redis_server, redis_client, tmp_path):
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)),
-                     LocalBackend(redis_server.url), tmp_path)
+                     LocalBackend(redis_server.url), PathRoots(tmp_path, tmp_path))
     server, port = serve(core, "127.0.0.1:0")
     client = GrpcSchedulerClient(f"127.0.0.1:{port}")
     yield core, client
@@ -40,7 +41,7 @@ def test_job_records_survive_a_scheduler_restart(redis_server, redis_client, tmp
     # A new scheduler on the same Redis: finished jobs read back intact; a job that
     # was running under the dead scheduler is failed with a reason, not left RUNNING.
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)),
-                     LocalBackend(redis_server.url), tmp_path)
+                     LocalBackend(redis_server.url), PathRoots(tmp_path, tmp_path))
     core.recover()
     server, port = serve(core, "127.0.0.1:0")
     client = GrpcSchedulerClient(f"127.0.0.1:{port}")
@@ -141,8 +142,9 @@ def test_a_job_waits_pending_for_free_workers_and_can_be_stopped_there(redis_ser
                                                                        tmp_path, monkeypatch):
     monkeypatch.setattr("reflow.scheduler.service.QUEUE_RETRY_S", 0.05)
     backend = FullBackend()
-    core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend, tmp_path)
-    spec = '{"model": {"path": "/m"}}'
+    core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend,
+                     PathRoots(tmp_path, tmp_path))
+    spec = '{"model": {"path": "m"}}'
     core.submit(spec, job_id="queued")
     job = _wait_for(lambda: (j := core.get("queued")).reason and j)
     assert job.phase == "PENDING" and "0 are free" in job.reason and job.started_at == 0

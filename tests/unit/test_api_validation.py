@@ -3,9 +3,13 @@ stand-in here: these requests must be answered by the API alone."""
 
 from fastapi.testclient import TestClient
 
-from reflow.api.app import create_app
+from reflow.api.app import ApiSettings, create_app
 from reflow.core.errors import NotFound
 from reflow.scheduler.jobs import JobRecord
+
+
+TOKEN = "unit-test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class RecordingScheduler:
@@ -22,7 +26,7 @@ class RecordingScheduler:
 
 def test_malformed_specs_are_rejected_with_the_field_named():
     sched = RecordingScheduler()
-    client = TestClient(create_app(sched))
+    client = TestClient(create_app(sched, ApiSettings(token=TOKEN)), headers=AUTH)
     r = client.post("/v1/jobs", json={"model": {"path": "/m"}, "trainer": {"batch_size": -1}})
     assert r.status_code == 422
     assert "trainer.batch_size" in r.json()["detail"]
@@ -34,7 +38,7 @@ def test_malformed_specs_are_rejected_with_the_field_named():
 
 def test_valid_spec_reaches_the_scheduler_and_unknown_job_is_404():
     sched = RecordingScheduler()
-    client = TestClient(create_app(sched))
+    client = TestClient(create_app(sched, ApiSettings(token=TOKEN)), headers=AUTH)
     r = client.post("/v1/jobs", json={"model": {"path": "/m"}, "trainer": {"num_steps": 3}})
     assert r.status_code == 201 and r.json()["phase"] == "PENDING"
     assert len(sched.submitted) == 1
@@ -49,11 +53,12 @@ def test_api_settings_come_from_the_environment_and_name_a_bad_value(monkeypatch
     from reflow.api.app import ApiSettings
 
     token_file = tmp_path / "token"
-    token_file.write_text("from-secret\n")
-    monkeypatch.setenv("REFLOW_API_TOKEN", "from-env")
+    token_file.write_text("from-secret-0123456789\n")
+    monkeypatch.setenv("REFLOW_API_TOKEN", "from-env-0123456789")
     monkeypatch.setenv("REFLOW_API_TOKEN_FILE", str(token_file))
     monkeypatch.setenv("REFLOW_API_MAX_BODY_BYTES", "4096")
-    assert ApiSettings.from_env() == ApiSettings(token="from-secret", max_body_bytes=4096)
+    assert ApiSettings.from_env() == ApiSettings(token="from-secret-0123456789",
+                                                 max_body_bytes=4096)
     monkeypatch.setenv("REFLOW_API_MAX_BODY_BYTES", "lots")
     with pytest.raises(ValidationError, match="max_body_bytes"):
         ApiSettings.from_env()

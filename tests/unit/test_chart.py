@@ -118,6 +118,53 @@ def test_workers_request_gpus_under_a_configurable_resource_name():
     assert container["image"].endswith("-cpu") and container["args"][:2] == ["serve", "worker"]
 
 
+def test_path_roots_and_operator_ceilings_reach_the_scheduler_and_workers_as_env():
+    def envs(values):
+        specs = dict(pod_specs(render(values)[0]))
+        return tuple({e["name"]: e.get("value") for e in specs[name]["containers"][0]["env"]}
+                     for name in ("rl-reflow-scheduler", "rl-reflow-worker"))
+
+    scheduler, worker = envs({})
+    assert {k: v for k, v in scheduler.items() if k.startswith("REFLOW_MAX_")} == {
+        "REFLOW_MAX_ROLLOUT_WORKERS": "0",
+        "REFLOW_MAX_BATCH_SIZE": "4096",
+        "REFLOW_MAX_RESPONSE_TOKENS": "32768",
+        "REFLOW_MAX_INFLIGHT_SAMPLES": "4096",
+        "REFLOW_MAX_SAMPLES_PER_STEP": "65536",
+        "REFLOW_MAX_KV_CACHE_GB": "256",
+        "REFLOW_MAX_NUM_STEPS": "1000000",  # an integer, never 1e+06
+        "REFLOW_MAX_ACTIVE_JOBS": "32",
+    }
+    for env in (scheduler, worker):
+        assert env["REFLOW_MODELS_DIR"] == "/models" and env["REFLOW_RUNS_DIR"] == "/runs"
+    assert not [k for k in worker if k.startswith("REFLOW_MAX_")]
+
+    scheduler, worker = envs({
+        "scheduler": {"limits": {"maxBatchSize": 256, "maxResponseTokens": 2048, "maxInflightSamples": 128,
+                                 "maxSamplesPerStep": 512, "maxKvCacheGb": 0.5, "maxNumSteps": 20000000,
+                                 "maxActiveJobs": 3}},
+        "worker": {"models": {"mountPath": "/mnt/models"}}})
+    assert scheduler["REFLOW_MAX_BATCH_SIZE"] == "256"
+    assert scheduler["REFLOW_MAX_RESPONSE_TOKENS"] == "2048"
+    assert scheduler["REFLOW_MAX_INFLIGHT_SAMPLES"] == "128"
+    assert scheduler["REFLOW_MAX_SAMPLES_PER_STEP"] == "512"
+    assert scheduler["REFLOW_MAX_KV_CACHE_GB"] == "0.5"
+    assert scheduler["REFLOW_MAX_NUM_STEPS"] == "20000000"
+    assert scheduler["REFLOW_MAX_ACTIVE_JOBS"] == "3"
+    for env in (scheduler, worker):
+        assert env["REFLOW_MODELS_DIR"] == "/mnt/models" and env["REFLOW_RUNS_DIR"] == "/runs"
+
+    with helm.Chart.load(str(CHART)) as chart:
+        for bad, named in (({"scheduler": {"limits": {"maxJobs": 4}}}, "maxJobs"),
+                           ({"scheduler": {"limits": {"maxActiveJobs": 0}}}, "/scheduler/limits/maxActiveJobs"),
+                           ({"scheduler": {"limits": {"maxBatchSize": 1.5}}}, "/scheduler/limits/maxBatchSize"),
+                           ({"scheduler": {"limits": {"maxKvCacheGb": 0}}}, "/scheduler/limits/maxKvCacheGb")):
+            with pytest.raises(Exception, match=named):
+                chart.validate_schema(bad)
+            with pytest.raises(Exception):
+                chart.render(bad, name="rl", namespace="ml")
+
+
 def test_the_scheduler_role_is_namespaced_and_minimal():
     docs, _ = render({})
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]

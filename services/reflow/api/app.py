@@ -11,7 +11,9 @@ so restarting the API loses nothing.
     GET  /v1/jobs/{id}/metrics       its per-step training metrics
     GET  /healthz, /openapi.json, /docs   open, no token
 
-Every /v1 route wants `Authorization: Bearer <token>` when a token is set.
+Every /v1 route wants `Authorization: Bearer <token>`. The API refuses to
+start without a token unless it is explicitly told to run open
+(`insecure_no_auth`, logged loudly at start).
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from reflow.api.middleware import BodySizeLimit, RequestMetrics
 from reflow.core.config import JobSpec
-from reflow.core.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from reflow.core.errors import (
+    Conflict, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+)
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord
 
 logger = logging.getLogger(__name__)
 
 SUBMISSION_ID_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+MIN_TOKEN_CHARS = 16
 
 
 class ApiSettings(BaseModel):
@@ -44,13 +49,28 @@ class ApiSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    token: str = Field(default="", description="Bearer token every /v1 call must carry; "
-                       "empty turns auth off (local runs on loopback only).")
+    token: str = Field(default="", max_length=4096,
+                       description="Bearer token every /v1 call must carry. Required unless "
+                       "insecure_no_auth.")
+    insecure_no_auth: bool = Field(default=False,
+                                   description="Serve /v1 with no token at all: anyone who "
+                                   "reaches the port can run jobs. Tests on loopback only.")
     max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20,
                                 description="Largest request body accepted (413 above).")
 
+    @model_validator(mode="after")
+    def _auth_is_on(self) -> "ApiSettings":
+        if not self.token and not self.insecure_no_auth:
+            raise ValueError("token: no API token; set REFLOW_API_TOKEN_FILE (a mounted Secret) "
+                             "or REFLOW_API_TOKEN, or start with --insecure-no-auth to serve "
+                             "/v1 unauthenticated on a private loopback")
+        if self.token and len(self.token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"token: {len(self.token)} characters; use at least "
+                             f"{MIN_TOKEN_CHARS} random characters")
+        return self
+
     @classmethod
-    def from_env(cls) -> "ApiSettings":
+    def from_env(cls, insecure_no_auth: bool = False) -> "ApiSettings":
         """REFLOW_API_TOKEN_FILE (a mounted Secret) wins over REFLOW_API_TOKEN."""
         token = os.environ.get("REFLOW_API_TOKEN", "")
         token_file = os.environ.get("REFLOW_API_TOKEN_FILE")
@@ -58,7 +78,8 @@ class ApiSettings(BaseModel):
             token = Path(token_file).read_text().strip()
         raw_limit = os.environ.get("REFLOW_API_MAX_BODY_BYTES")
         # pydantic parses the string, so a bad value is reported as max_body_bytes.
-        return cls(token=token, **({"max_body_bytes": raw_limit} if raw_limit else {}))
+        return cls(token=token, insecure_no_auth=insecure_no_auth,
+                   **({"max_body_bytes": raw_limit} if raw_limit else {}))
 
 
 class JobSubmission(JobSpec):
@@ -114,6 +135,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ApiError, "description": "Missing or wrong bearer token."},
     413: {"model": ApiError, "description": "Request body over the size limit."},
     422: {"model": ApiError, "description": "Invalid request; the message names the field."},
+    429: {"model": ApiError, "description": "Too many active jobs (an operator ceiling); "
+          "retry after Retry-After seconds."},
     503: {"model": ApiError, "description": "Scheduler unreachable; retry."},
 }
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ApiError, "description": "No such job."}}
@@ -133,9 +156,16 @@ def _field_errors(err: RequestValidationError) -> list[dict[str, Any]]:
     for e in err.errors():
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         msg = e.get("msg", "")
+        field = ".".join(loc) or "(body)"
         if e.get("type") == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
-        out.append({"field": ".".join(loc) or "(body)", "message": msg})
+        elif e.get("type") == "value_error":
+            # Our validators name the exact field first ("replay.sampler: ...").
+            msg = msg.removeprefix("Value error, ")
+            named, sep, rest = msg.partition(": ")
+            if sep and named.startswith(field + ".") and " " not in named:
+                field, msg = named, rest
+        out.append({"field": field, "message": msg})
     return out
 
 
@@ -149,6 +179,8 @@ def _call(fn, *args):
         raise HTTPException(409, str(err)) from None
     except (InvalidArgument, ValueError) as err:
         raise HTTPException(422, str(err)) from None
+    except ResourceExhausted as err:
+        raise HTTPException(429, str(err), headers={"Retry-After": "30"}) from None
     except Unavailable as err:
         raise HTTPException(503, str(err), headers={"Retry-After": "5"}) from None
 
@@ -157,7 +189,7 @@ def _auth_dependency(token: str):
     bearer = HTTPBearer(auto_error=False, description="The API token (REFLOW_API_TOKEN).")
 
     def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if not token:
+        if not token:  # insecure_no_auth, refused by ApiSettings otherwise
             return
         if credentials is None or credentials.scheme.lower() != "bearer":
             raise HTTPException(401, "missing bearer token; send 'Authorization: Bearer <token>'",
@@ -170,14 +202,18 @@ def _auth_dependency(token: str):
     return require_token
 
 
-def create_app(scheduler, settings: ApiSettings | None = None,
+def create_app(scheduler, settings: ApiSettings,
                registry: CollectorRegistry | None = None) -> FastAPI:
     """`scheduler` is a scheduler client (gRPC, or the in-process Scheduler core:
-    both have the same methods)."""
-    settings = settings or ApiSettings()
-    if not settings.token:
-        logger.warning("API token unset: /v1 routes are open; set REFLOW_API_TOKEN "
-                       "anywhere but a loopback-only local run")
+    both have the same methods). `settings` carry the token (or the explicit
+    insecure_no_auth)."""
+    if settings.insecure_no_auth and not settings.token:
+        for line in ("*" * 72,
+                     "INSECURE: the API serves /v1 with NO AUTHENTICATION (--insecure-no-auth).",
+                     "Anyone who reaches this port can submit and stop jobs. Use this on a",
+                     "private loopback only; set REFLOW_API_TOKEN_FILE everywhere else.",
+                     "*" * 72):
+            logger.critical(line)
     app = FastAPI(title="ReFlow", version="0.1.0",
                   description="Submit and watch replay-driven RL post-training jobs.")
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)

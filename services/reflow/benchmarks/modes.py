@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import subprocess  # nosec B404 # runs reflow.cli under sys.executable from argv lists
 import sys
 from pathlib import Path
 
@@ -77,7 +77,9 @@ def run_mode(mode: str, config: str, out: Path, overrides: list[str]) -> list[di
            *overrides]
     print(f"== {mode}: {' '.join(cmd[3:])}", flush=True)
     with open(out / f"{mode}.log", "w") as log:
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # argv: sys.executable -m reflow.cli run plus this script's own arguments.
+        result = subprocess.run(  # nosec B603 # argv list, no shell
+            cmd, stdout=log, stderr=subprocess.STDOUT)
     if result.returncode != 0:
         raise SystemExit(f"{mode} failed (exit {result.returncode}); see {out / f'{mode}.log'}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,11 +12,22 @@ stay fast.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from reflow.core import plugins
+
+# Plug-in arguments: a few scalars. Bounded, so a spec cannot smuggle a megabyte
+# of arguments into every service that parses it.
+PluginArgs = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")],
+         bool | int | float | Annotated[str, StringConstraints(max_length=256)]],
+    Field(max_length=32),
+]
 
 
 class _Section(BaseModel):
@@ -27,7 +38,12 @@ class ModelConfig(_Section):
     """Where the policy model comes from."""
 
     path: str = Field(
-        description="Local directory holding a Hugging Face format causal LM and its tokenizer."
+        min_length=1,
+        max_length=4096,
+        pattern=r"^[^\x00]+$",
+        description="Directory holding a Hugging Face format causal LM and its tokenizer; "
+        "must lie under the operator's models root (REFLOW_MODELS_DIR). A relative path is "
+        "taken relative to that root.",
     )
     build_if_missing: Literal["tiny-qwen3"] | None = Field(
         default=None,
@@ -64,11 +80,13 @@ class RolloutConfig(_Section):
     max_inflight_samples: int = Field(
         default=64,
         ge=1,
+        le=1_048_576,
         description="Concurrency cap: most samples generating at once on a rollout worker.",
     )
     max_samples_per_step: int | None = Field(
         default=None,
         ge=1,
+        le=16_777_216,
         description="B_max: most samples dispatched to rollout per training step (paper §4.1 "
         "step 1). None: trainer.batch_size.",
     )
@@ -84,18 +102,21 @@ class TrainerConfig(_Section):
     batch_size: int = Field(
         default=64, ge=1, le=65536, description="b: trajectories per training step."
     )
-    num_steps: int = Field(default=100, ge=1, description="Training steps before the job ends.")
+    num_steps: int = Field(default=100, ge=1, le=100_000_000,
+                           description="Training steps before the job ends.")
     learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     clip_eps: float = Field(
         default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
     )
-    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping norm.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient clipping norm.")
     sync_interval: int = Field(
-        default=1, ge=1, description="Publish a new policy version every this many steps."
+        default=1, ge=1, le=1_000_000,
+        description="Publish a new policy version every this many steps."
     )
     batch_timeout_s: float = Field(
-        default=600.0, gt=0.0, description="Longest wait for a batch before the job fails."
+        default=600.0, gt=0.0, le=86_400.0,
+        description="Longest wait for a batch before the job fails."
     )
 
 
@@ -126,33 +147,41 @@ class ReplayConfig(_Section):
     sampler: str = Field(
         default="uniform",
         min_length=1,
-        description="Which candidates a batch takes: uniform, fifo, medium_reward, or "
-        "package.module:Class.",
+        max_length=128,
+        description="Which candidates a batch takes: a registered sampler name (built-ins "
+        "uniform, fifo, medium_reward; operators add more as entry points, see README).",
     )
-    sampler_args: dict[str, float | int | str] = Field(
-        default_factory=dict, description="Keyword arguments for the sampler."
+    sampler_args: PluginArgs = Field(
+        default_factory=dict,
+        description="Keyword arguments for the sampler, checked against its own Args model.",
     )
     replay_filter: str = Field(
         default="accept_all",
         min_length=1,
-        description="Which trained samples return for replay: accept_all, max_use_count, "
-        "non_zero_advantage, or package.module:Class.",
+        max_length=128,
+        description="Which trained samples return for replay: a registered filter name "
+        "(built-ins accept_all, max_use_count, non_zero_advantage).",
     )
-    filter_args: dict[str, float | int | str] = Field(
-        default_factory=dict, description="Keyword arguments for the replay filter."
+    filter_args: PluginArgs = Field(
+        default_factory=dict,
+        description="Keyword arguments for the replay filter, checked against its Args model.",
     )
     lease_ttl_s: float = Field(
         default=300.0,
         gt=0.0,
+        le=86_400.0,
         description="A sampled batch stays leased this long; unreleased samples then return.",
     )
+
     @model_validator(mode="after")
     def _check_plugins(self) -> ReplayConfig:
-        # Resolve the plug-ins now so a typo fails at submission, not mid-run.
-        from reflow.replay.plugins import load_filter, load_sampler
-
-        load_sampler(self.sampler, self.sampler_args)
-        load_filter(self.replay_filter, self.filter_args)
+        # By registered name only, and arguments against the plug-in's own model,
+        # so a typo fails at submission, not mid-run. Nothing is instantiated here
+        # and nothing the spec names is imported (see core/plugins.py).
+        plugins.validate_args("sampler", self.sampler, self.sampler_args,
+                              "replay.sampler", "replay.sampler_args")
+        plugins.validate_args("replay_filter", self.replay_filter, self.filter_args,
+                              "replay.replay_filter", "replay.filter_args")
         return self
 
 
@@ -187,7 +216,7 @@ class JobSpec(_Section):
     name: str = Field(
         default="job", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
     )
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
     model: ModelConfig
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -232,6 +261,18 @@ class JobSpec(_Section):
         return self
 
 
+# Job ids end up in Redis keys, Kubernetes labels and DNS names: a DNS-1123 label.
+JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def check_job_id(job_id: str, field: str = "job_id") -> str:
+    """Every RPC that names a job checks the id first; ValueError names the field."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        raise ValueError(f"{field}: {job_id[:80]!r} is not a valid job id; use 1-63 lowercase "
+                         "letters, digits and '-', starting and ending alphanumeric")
+    return job_id
+
+
 class JobSpecError(ValueError):
     """A job spec that failed validation; the message names every bad field."""
 
@@ -243,6 +284,12 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
+        elif e["type"] == "value_error":
+            # Our validators name the field themselves ("replay.sampler: ...").
+            msg = msg.removeprefix("Value error, ")
+            if msg.split(":", 1)[0].startswith(loc.split(".", 1)[0] + "."):
+                lines.append(msg)
+                continue
         lines.append(f"{loc}: {msg}")
     return "invalid job spec:\n  " + "\n  ".join(lines)
 

@@ -25,3 +25,12 @@ class Conflict(Exception):
 
 class NoCapacity(RuntimeError):
     """Not enough free workers for a job right now; it waits and retries."""
+
+
+class FailedPrecondition(RuntimeError):
+    """The request is well-formed but the target is not in a state to take it
+    (no such job on this worker, a weight version out of order)."""
+
+
+class ResourceExhausted(RuntimeError):
+    """A ceiling is reached (active jobs, concurrent long calls); retry later."""

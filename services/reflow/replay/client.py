@@ -66,7 +66,7 @@ class InprocReplayClient(ReplayClient):
 
 class GrpcReplayClient(ReplayClient):
     """gRPC client. Every call retries while the buffer is unreachable (a restart
-    or a rolling update), for up to `retry_s`: put, release, configure and publish
+    or a rolling update) or busy, for up to `retry_s`: put, release, configure and publish
     are idempotent, and a sample retried after a lost reply leaves an orphan
     lease that expires and gives its samples back."""
 
@@ -91,9 +91,12 @@ class GrpcReplayClient(ReplayClient):
             try:
                 return getattr(self._stub, method)(request, timeout=timeout)
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                # UNAVAILABLE: restarting; RESOURCE_EXHAUSTED: every long-poll slot busy.
+                retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if err.code() not in retryable or time.monotonic() + delay > deadline:
                     raise
-                logger.warning("replay buffer %s unavailable (%s); retrying", self.address, method)
+                logger.warning("replay buffer %s: %s (%s); retrying", self.address,
+                               err.code().name, method)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

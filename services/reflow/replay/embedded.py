@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
+import subprocess  # nosec B404 # starts redis-server from a fixed argv list, no shell
 import time
 from pathlib import Path
 
@@ -65,7 +65,8 @@ class EmbeddedRedis:
             "--loglevel", "warning",
         ]
         log = open(self.data_dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(  # nosec B603 # redis-server, fixed flags, no shell
+            args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
         while True:

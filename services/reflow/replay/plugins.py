@@ -2,20 +2,24 @@
 
 A `Sampler` decides which groups a batch may take from a pool, and in what
 order of preference; a `ReplayFilter` decides, after training, whether each
-sample goes back into the replay pool or is dropped. Both are chosen by name
-in the JobSpec (`replay.sampler`, `replay.replay_filter`) or given as an
-import path `package.module:Class`, with keyword arguments from
-`replay.sampler_args` / `replay.filter_args`.
+sample goes back into the replay pool or is dropped. Both are chosen by
+registered name in the JobSpec (`replay.sampler`, `replay.replay_filter`; see
+`reflow.core.plugins` for the registry and how an operator adds one), with
+keyword arguments from `replay.sampler_args` / `replay.filter_args`, checked
+against the plug-in's own `Args` model first.
 
 Neither knows about Redis or leases: they see plain metadata.
 """
 
 from __future__ import annotations
 
-import importlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reflow.core import plugins
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,19 @@ class MediumRewardSampler:
     neither solved by every sample nor by none (§4.2, after DAPO). Such groups
     also carry non-zero GRPO advantages."""
 
+    class Args(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        low: float = Field(default=0.0, ge=-1e6, le=1e6, description="Exclusive lower bound.")
+        high: float = Field(default=1.0, ge=-1e6, le=1e6, description="Exclusive upper bound.")
+
+        @model_validator(mode="after")
+        def _ordered(self):
+            if not self.low < self.high:
+                raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+            return self
+
     def __init__(self, low: float = 0.0, high: float = 1.0) -> None:
-        if not low < high:
-            raise ValueError(f"replay.sampler_args: low ({low}) must be below high ({high})")
         self.low, self.high = low, high
 
     def rank(self, candidates: list[GroupInfo], rng: random.Random) -> list[GroupInfo]:
@@ -103,9 +117,13 @@ class AcceptAll:
 class MaxUseCount:
     """Keep a sample until it has been trained on `max_uses` times."""
 
+    class Args(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        max_uses: int = Field(default=2, ge=1, le=1_000_000,
+                              description="Trainings after which a sample is dropped.")
+
     def __init__(self, max_uses: int = 2) -> None:
-        if max_uses < 1:
-            raise ValueError(f"replay.filter_args.max_uses must be >= 1, got {max_uses}")
         self.max_uses = int(max_uses)
 
     def keep(self, sample: SampleInfo) -> bool:
@@ -115,6 +133,12 @@ class MaxUseCount:
 class NonZeroAdvantage:
     """Drop samples whose advantage is zero: they add no gradient when replayed."""
 
+    class Args(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        eps: float = Field(default=1e-6, ge=0.0, le=1e6,
+                           description="|advantage| at or below this counts as zero.")
+
     def __init__(self, eps: float = 1e-6) -> None:
         self.eps = eps
 
@@ -122,49 +146,13 @@ class NonZeroAdvantage:
         return abs(sample.advantage) > self.eps
 
 
-SAMPLERS: dict[str, type] = {
-    "uniform": UniformSampler,
-    "fifo": FifoSampler,
-    "medium_reward": MediumRewardSampler,
-}
-FILTERS: dict[str, type] = {
-    "accept_all": AcceptAll,
-    "max_use_count": MaxUseCount,
-    "non_zero_advantage": NonZeroAdvantage,
-}
-
-
-def _resolve(name: str, registry: dict[str, type], field_name: str) -> type:
-    if name in registry:
-        return registry[name]
-    if ":" not in name:
-        raise ValueError(
-            f"{field_name}: unknown plug-in {name!r}; built-ins are {', '.join(sorted(registry))}, "
-            "or give an import path package.module:Class"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{field_name}: cannot import {name!r}: {err}") from None
-
-
-def _load(name: str, args: dict[str, Any] | None, registry: dict[str, type], field_name: str,
-          protocol: type, method: str):
-    cls = _resolve(name, registry, f"replay.{field_name}")
-    args_field = "sampler_args" if field_name == "sampler" else "filter_args"
-    try:
-        plugin = cls(**(args or {}))
-    except TypeError as err:
-        raise ValueError(f"replay.{args_field}: {err}") from None
-    if not isinstance(plugin, protocol):
-        raise ValueError(f"replay.{field_name}: {name!r} has no {method} method")
-    return plugin
-
-
 def load_sampler(name: str, args: dict[str, Any] | None = None) -> Sampler:
-    return _load(name, args, SAMPLERS, "sampler", Sampler, "rank(candidates, rng)")
+    """The registered sampler `name`, built with validated `args` (see core.plugins)."""
+    return plugins.build("sampler", name, args, field="replay.sampler",
+                         args_field="replay.sampler_args")
 
 
 def load_filter(name: str, args: dict[str, Any] | None = None) -> ReplayFilter:
-    return _load(name, args, FILTERS, "replay_filter", ReplayFilter, "keep(sample)")
+    """The registered replay filter `name`, built with validated `args`."""
+    return plugins.build("replay_filter", name, args, field="replay.replay_filter",
+                         args_field="replay.filter_args")

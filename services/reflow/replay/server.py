@@ -46,7 +46,7 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         start = time.monotonic()
         try:
             self.metrics.seen(request.job_id)
-            wait_s = min(max(request.timeout_s, 0.0), MAX_SAMPLE_WAIT_S)
+            wait_s = min(max(request.timeout_s, 0.0), MAX_SAMPLE_WAIT_S, rpc.wait_budget_s(context))
             batch = self.store.lease_raw(
                 request.job_id, request.batch_size, request.lease_ttl_s, wait_s
             )
@@ -95,11 +95,20 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         return replay_pb2.BufferStats(**dataclasses.asdict(stats))
 
 
+SERVICE_NAME = "reflow.v1.ReplayBuffer"
+# Sample long-polls for up to MAX_SAMPLE_WAIT_S: bounded by rpc.LongCallGuard.
+LONG_METHODS = (f"/{SERVICE_NAME}/Sample",)
+
+
 def serve(store: ReplayStore, address: str,
           metrics: BufferMetrics | None = None) -> tuple[grpc.Server, int]:
     servicer = ReplayBufferServicer(store, metrics)
     return rpc.make_server(
-        "reflow.v1.ReplayBuffer",
+        SERVICE_NAME,
         lambda s: replay_pb2_grpc.add_ReplayBufferServicer_to_server(servicer, s),
         address,
+        # One buffer serves every job of a release, each trainer long-polling.
+        max_workers=64,
+        max_long_calls=48,
+        long_methods=LONG_METHODS,
     )

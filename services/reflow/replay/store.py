@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import redis
 
-from reflow.core.config import ReplayConfig
+from reflow.core.config import ReplayConfig, check_job_id
 from reflow.core.types import Batch, Trajectory
 from reflow.replay import scripts
 from reflow.replay.plugins import (
@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 # Candidates read per pool per batch; larger pools are sampled at random.
 MAX_CANDIDATES = 4096
 _CLAIM_RETRIES = 5
+# The JobSpec's own bounds on trainer.batch_size and replay.lease_ttl_s.
+MAX_BATCH_SIZE = 65536
+MAX_LEASE_TTL_S = 86_400.0
 
 
 @dataclass
@@ -120,7 +123,7 @@ class ReplayStore:
     def __init__(self, client: redis.Redis, poll_interval_s: float = 0.02, seed: int | None = None) -> None:
         self.redis = client
         self.poll_interval_s = poll_interval_s
-        self._rng = random.Random(seed)
+        self._rng = random.Random(seed)  # nosec B311 # replay sampling order, not security
         self._put = client.register_script(scripts.PUT_GROUP)
         self._claim = client.register_script(scripts.CLAIM)
         self._release = client.register_script(scripts.RELEASE)
@@ -136,8 +139,7 @@ class ReplayStore:
 
     @staticmethod
     def _key(job_id: str, name: str) -> str:
-        if not job_id:
-            raise ValueError("job_id must be non-empty")
+        check_job_id(job_id)
         return f"reflow:{{{job_id}}}:{name}"
 
     def _keys(self, job_id: str, *names: str) -> list[str]:
@@ -236,10 +238,10 @@ class ReplayStore:
 
     def try_lease_raw(self, job_id: str, batch_size: int, lease_ttl_s: float) -> RawBatch | None:
         """`try_lease`, returning the samples as stored bytes."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        if not 1 <= batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size: {batch_size} is out of range [1, {MAX_BATCH_SIZE}]")
+        if not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl_s: {lease_ttl_s} is out of range (0, {MAX_LEASE_TTL_S:.0f}]")
         self.expire_leases(job_id)
         config, sampler, _ = self._job_settings(job_id)
         # σ bounds the replay share; ceil keeps the bound on the safe side.

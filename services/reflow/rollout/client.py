@@ -28,11 +28,17 @@ class GrpcRolloutClient:
         self._channel = rpc.channel(address)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
 
-    def start_job(self, job_id: str, spec_json: str, replay_address: str) -> None:
+    def start_job(self, job_id: str, spec_json: str, replay_address: str, weight_sync_rank: int,
+                  weight_sync_world_size: int, trainer_host: str) -> None:
+        """`weight_sync_rank` is this worker's rank in the job's weight-sync group
+        (the trainer is 0), of `weight_sync_world_size`; `trainer_host` the only
+        master address the worker will accept."""
         from reflow.v1 import common_pb2
 
         req = common_pb2.StartJobRequest(
-            job_id=job_id, spec_json=spec_json, replay_address=replay_address
+            job_id=job_id, spec_json=spec_json, replay_address=replay_address,
+            weight_sync_rank=weight_sync_rank, weight_sync_world_size=weight_sync_world_size,
+            trainer_host=trainer_host,
         )
         self._stub.StartJob(req, timeout=self.deadline_s)
 

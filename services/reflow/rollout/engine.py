@@ -38,6 +38,15 @@ class EngineLoad:
     preempted_requests_total: int = 0
 
 
+# What an InitWeightSync may describe. Bounded so that a stray or hostile request
+# cannot make a worker allocate without limit or look up arbitrary attributes.
+WEIGHT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+MAX_TENSORS = 200_000
+MAX_TENSOR_DIMS = 8
+MAX_WEIGHT_BYTES = 4 << 40
+MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 1 << 20, 16 << 30
+
+
 @dataclass(frozen=True)
 class WeightSyncSpec:
     master_address: str
@@ -48,6 +57,45 @@ class WeightSyncSpec:
     # (name, shape, dtype) of every tensor, in broadcast order.
     tensors: list[tuple[str, list[int], str]]
     bucket_bytes: int
+
+    def check(self, expected_rank: int, expected_world_size: int, trainer_host: str) -> None:
+        """Refuse a request that does not describe this worker's place in its job's
+        group (paper §4.1 step 4: trainer rank 0, rollout worker i rank i+1), or
+        whose tensor list is not a model's. ValueError names the field."""
+        if self.rank != expected_rank:
+            raise ValueError(f"rank: {self.rank} is not this worker's rank ({expected_rank}) "
+                             "in the job's weight-sync group")
+        if self.world_size != expected_world_size:
+            raise ValueError(f"world_size: {self.world_size} is not the job's group size "
+                             f"({expected_world_size})")
+        if self.master_address != trainer_host:
+            raise ValueError(f"master_address: {self.master_address!r} is not the job's trainer "
+                             f"({trainer_host!r})")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port: {self.master_port} is not a TCP port")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: {self.backend!r} is not gloo or nccl")
+        if not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes: {self.bucket_bytes} is out of range "
+                             f"[{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]")
+        if not 1 <= len(self.tensors) <= MAX_TENSORS:
+            raise ValueError(f"tensors: {len(self.tensors)} tensors; expected 1 to {MAX_TENSORS}")
+        names, total = set(), 0
+        for name, shape, dtype in self.tensors:
+            if not name or len(name) > 512 or name in names:
+                raise ValueError(f"tensors: name {name[:64]!r} is empty, too long or repeated")
+            names.add(name)
+            if dtype not in WEIGHT_DTYPES:
+                raise ValueError(f"tensors[{name}].dtype: {dtype[:32]!r} is not one of "
+                                 f"{', '.join(sorted(WEIGHT_DTYPES))}")
+            if len(shape) > MAX_TENSOR_DIMS or any(d < 0 for d in shape):
+                raise ValueError(f"tensors[{name}].shape: {list(shape)[:16]} is not a tensor shape")
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * (4 if dtype == "float32" else 2)
+            if total > MAX_WEIGHT_BYTES:
+                raise ValueError(f"tensors: more than {MAX_WEIGHT_BYTES} bytes of weights")
 
 
 class GenerationEngine(Protocol):

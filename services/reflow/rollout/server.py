@@ -18,7 +18,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def StartJob(self, request, context):
         try:
             spec = JobSpec.model_validate_json(request.spec_json)
-            self.service.start_job(request.job_id, spec, request.replay_address)
+            self.service.start_job(request.job_id, spec, request.replay_address,
+                                   request.weight_sync_rank, request.weight_sync_world_size,
+                                   request.trainer_host)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return common_pb2.Ack(ok=True)
@@ -41,14 +43,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             bucket_bytes=request.bucket_bytes,
         )
         try:
-            self.service.init_weight_sync(request.job_id, spec)
+            self.service.init_weight_sync(request.job_id, spec, rpc.wait_budget_s(context))
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return common_pb2.Ack(ok=True)
 
     def UpdateWeights(self, request, context):
         try:
-            pause_s, receive_s = self.service.update_weights(request.job_id, request.policy_version)
+            pause_s, receive_s = self.service.update_weights(
+                request.job_id, request.policy_version, rpc.wait_budget_s(context))
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return rollout_pb2.UpdateWeightsReply(
@@ -72,6 +75,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 
 SERVICE_NAME = "reflow.v1.Rollout"
+# Calls that wait on the engine (start, stop, weight sync): bounded by rpc.LongCallGuard.
+LONG_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in
+                     ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights"))
 
 
 def register(service: RolloutService):
@@ -81,4 +87,4 @@ def register(service: RolloutService):
 
 
 def serve(service: RolloutService, address: str) -> tuple[grpc.Server, int]:
-    return rpc.make_server(SERVICE_NAME, register(service), address)
+    return rpc.make_server(SERVICE_NAME, register(service), address, long_methods=LONG_METHODS)

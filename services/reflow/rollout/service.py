@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from reflow.core.config import JobSpec
+from reflow.core.config import JobSpec, check_job_id
+from reflow.core.errors import FailedPrecondition
+from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.tasks import build_task
@@ -32,28 +34,51 @@ def _vllm_factory(spec: JobSpec):
     return build
 
 
+# Largest weight-sync group a job may have (trainer + rollout workers).
+MAX_GROUP_SIZE = 4096
+
+
 class RolloutService:
-    def __init__(self, replay_client_factory=GrpcReplayClient, engine_factory=None) -> None:
+    def __init__(self, replay_client_factory=GrpcReplayClient, engine_factory=None,
+                 roots: PathRoots | None = None) -> None:
         self._replay_client_factory = replay_client_factory
         self._engine_factory = engine_factory or _vllm_factory
+        self.roots = roots or PathRoots.from_env()
         self._lock = threading.Lock()
         self.worker: RolloutWorker | None = None
         self._replay: ReplayClient | None = None
 
-    def start_job(self, job_id: str, spec: JobSpec, replay_address: str) -> None:
+    def start_job(self, job_id: str, spec: JobSpec, replay_address: str, weight_sync_rank: int,
+                  weight_sync_world_size: int, trainer_host: str) -> None:
+        """Start generating for a job. The weight-sync place (this worker's rank, the
+        group's size, the trainer's host) is fixed here, by the scheduler: weight-sync
+        calls that do not match it are refused."""
         from transformers import AutoTokenizer
 
         from reflow.models.tiny import ensure_model
 
+        check_job_id(job_id)
+        if not 1 <= weight_sync_rank < weight_sync_world_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"weight_sync_rank/world_size: {weight_sync_rank}/"
+                             f"{weight_sync_world_size}; need 1 <= rank < world_size <= "
+                             f"{MAX_GROUP_SIZE} (the trainer is rank 0)")
+        if not trainer_host or len(trainer_host) > 253:
+            raise ValueError("trainer_host: the trainer's host is required")
+        model_path = self.roots.model_dir(spec.model.path)
         with self._lock:
             if self.worker is not None and self.worker.state in ("starting", "running"):
                 if self.worker.job_id == job_id:
                     return  # a retried start is a no-op
-                raise ValueError(f"this rollout worker already runs job {self.worker.job_id}")
+                raise FailedPrecondition(
+                    f"this rollout worker already runs job {self.worker.job_id}")
             # A no-op when the scheduler built it already; a worker pod with its own
             # volume builds the preset itself (atomically, so racing pods are safe).
-            ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
-            tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+            ensure_model(str(model_path), spec.model.build_if_missing, seed=spec.seed)
+            spec = spec.model_copy(update={"model": spec.model.model_copy(
+                update={"path": str(model_path)})})
+            # model_path is confined under the models root; never reach the Hub.
+            tokenizer = AutoTokenizer.from_pretrained(  # nosec B615 # local dir only
+                str(model_path), local_files_only=True)
             self._replay = self._replay_client_factory(replay_address)
             task = build_task(
                 spec.task.name, spec.task.max_count, spec.task.num_symbols, seed=spec.seed + 1
@@ -66,14 +91,23 @@ class RolloutService:
                 self._replay,
                 encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                weight_sync=(weight_sync_rank, weight_sync_world_size, trainer_host),
             )
             self.worker.start()
             logger.info("job %s: rollout starting", job_id)
 
     def _worker_for(self, job_id: str) -> RolloutWorker:
         if self.worker is None or self.worker.job_id != job_id:
-            raise KeyError(f"job {job_id!r} does not run on this rollout worker")
+            raise KeyError(f"job {job_id[:80]!r} does not run on this rollout worker")
         return self.worker
+
+    def _running_worker_for(self, job_id: str) -> RolloutWorker:
+        """The worker of a job that is running here, for calls that would change it."""
+        worker = self.worker
+        if worker is None or worker.job_id != job_id or worker.state not in ("starting",
+                                                                              "running"):
+            raise FailedPrecondition(f"job {job_id[:80]!r} is not running on this rollout worker")
+        return worker
 
     def stop_job(self, job_id: str) -> None:
         worker = self._worker_for(job_id)
@@ -81,11 +115,12 @@ class RolloutService:
         if self._replay is not None:
             self._replay.close()
 
-    def init_weight_sync(self, job_id: str, spec: WeightSyncSpec) -> None:
-        self._worker_for(job_id).init_weight_sync(spec)
+    def init_weight_sync(self, job_id: str, spec: WeightSyncSpec, timeout_s: float) -> None:
+        self._running_worker_for(job_id).init_weight_sync(spec, timeout_s)
 
-    def update_weights(self, job_id: str, policy_version: int) -> tuple[float, float]:
-        return self._worker_for(job_id).update_weights(policy_version)
+    def update_weights(self, job_id: str, policy_version: int,
+                       timeout_s: float) -> tuple[float, float]:
+        return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
 
     def stats(self, job_id: str) -> tuple[RolloutCounters, float, str, str]:
         worker = self._worker_for(job_id)

@@ -25,6 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from reflow.core import plugins
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -49,12 +53,18 @@ class Task(Protocol):
 
 
 class RepeatTask:
+    class Args(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        max_count: int = Field(default=48, ge=1, le=512)
+        num_symbols: int = Field(default=6, ge=2, le=26)
+
     def __init__(self, max_count: int = 48, num_symbols: int = 6, seed: int = 0) -> None:
         if not 2 <= num_symbols <= 26:
             raise ValueError("task.num_symbols must lie in [2, 26]")
         self.max_count = max_count
         self.symbols = list(string.ascii_lowercase[:num_symbols])
-        self._rng = random.Random(seed)
+        self._rng = random.Random(seed)  # nosec B311 # seeded prompt generation, not security
         self._count_weights = [1.0 / k for k in range(1, max_count + 1)]
 
     def sample_count(self) -> int:
@@ -83,6 +93,6 @@ class RepeatTask:
 
 
 def build_task(name: str, max_count: int, num_symbols: int, seed: int) -> Task:
-    if name == "repeat":
-        return RepeatTask(max_count=max_count, num_symbols=num_symbols, seed=seed)
-    raise ValueError(f"task.name: unknown task {name!r}; built-in tasks: repeat")
+    """The registered task `name` (see reflow.core.plugins), seeded."""
+    return plugins.build("task", name, {"max_count": max_count, "num_symbols": num_symbols},
+                         field="task.name", args_field="task", seed=seed)

@@ -13,6 +13,7 @@ new policy versions only through `update_weights`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reflow.core.config import JobSpec
+from reflow.core.errors import FailedPrecondition
 from reflow.core.types import Segment, Trajectory, group_advantages
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
@@ -68,7 +70,10 @@ class RolloutWorker:
         replay: ReplayClient,
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
+        weight_sync: tuple[int, int, str] = (1, 2, "127.0.0.1"),
     ) -> None:
+        """`weight_sync`: this worker's rank in the job's weight-sync group, the
+        group's size, and the trainer's host; set by the scheduler at start."""
         self.job_id = job_id
         self.spec = spec
         self.engine_factory = engine_factory
@@ -87,6 +92,13 @@ class RolloutWorker:
         self._paused = False
         self._idle_since: float | None = time.monotonic()
         self._group_tasks: set[asyncio.Task] = set()
+        self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
+        # Weight-sync state machine: none -> initialising -> ready; one update at a
+        # time, versions strictly in order (see update_weights).
+        self._sync_lock = threading.Lock()
+        self._sync_state = "none"
+        self._init: concurrent.futures.Future | None = None
+        self._update: tuple[int, concurrent.futures.Future] | None = None
 
     # --- lifecycle (called from gRPC threads) --------------------------------
 
@@ -140,11 +152,72 @@ class RolloutWorker:
     # --- weights --------------------------------------------------------------
 
     def init_weight_sync(self, spec: WeightSyncSpec, timeout_s: float = 600.0) -> None:
-        self.wait_ready(timeout_s)
-        self.call(self.engine.init_weight_sync(spec), timeout_s)
+        """Join the job's weight-sync group, once. Refused unless `spec` names this
+        worker's place in the group. Waits at most `timeout_s` (the caller's
+        deadline); the join itself goes on, on the worker loop, and a retry joins it."""
+        with self._sync_lock:
+            if self._sync_state == "ready":
+                raise FailedPrecondition("weight sync is already set up for this job; "
+                                         "it is set up once per job")
+            if self._sync_state == "none":
+                spec.check(self.sync_rank, self.sync_world_size, self.trainer_host)
+                self._sync_state = "initialising"
+                self._init = concurrent.futures.Future()
+                threading.Thread(target=self._init_weight_sync, args=(spec, self._init),
+                                 name="wsync-init", daemon=True).start()
+            pending = self._init
+        try:
+            pending.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"weight-sync set-up not done within {timeout_s:.0f}s; "
+                               "it goes on, and a retry waits for it") from None
+
+    def _init_weight_sync(self, spec: WeightSyncSpec, done: concurrent.futures.Future) -> None:
+        try:
+            self.wait_ready(600.0)
+            self.call(self.engine.init_weight_sync(spec), 600.0)
+        except BaseException as err:  # noqa: BLE001 - handed to every waiter
+            with self._sync_lock:
+                self._sync_state = "none"
+            done.set_exception(err)
+            return
+        with self._sync_lock:
+            self._sync_state = "ready"
+        done.set_result(None)
 
     def update_weights(self, policy_version: int, timeout_s: float = 600.0) -> tuple[float, float]:
-        return self.call(self._update_weights(policy_version), timeout_s)
+        """Load policy version `policy_version`, which must be the next one. A call for
+        the version already being loaded joins that update (a retried or early call
+        waits for the trainer's broadcast instead of starting a second one); any other
+        version is refused at once. Waits at most `timeout_s`; the update goes on."""
+        with self._sync_lock:
+            if self._sync_state != "ready":
+                raise FailedPrecondition("weight sync is not set up for this job; "
+                                         "InitWeightSync comes first")
+            if self.state == "failed":
+                raise FailedPrecondition(f"this rollout worker has failed: {self.error}")
+            current = self.counters.policy_version
+            if self._update is not None and not self._update[1].done():
+                version, future = self._update
+                if version != policy_version:
+                    raise FailedPrecondition(f"policy_version: {policy_version} while the "
+                                             f"update to {version} is in progress")
+            elif policy_version != current + 1:
+                if (policy_version == current and self._update is not None
+                        and self._update[0] == current):
+                    future = self._update[1]  # a retry of the update just done
+                else:
+                    raise FailedPrecondition(f"policy_version: {policy_version} is not the "
+                                             f"next version ({current + 1})")
+            else:
+                future = asyncio.run_coroutine_threadsafe(
+                    self._update_weights(policy_version), self._loop)
+                self._update = (policy_version, future)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"weight update to v{policy_version} not done within "
+                               f"{timeout_s:.1f}s; it goes on, and a retry waits for it") from None
 
     async def _update_weights(self, policy_version: int) -> tuple[float, float]:
         # Partial rollout (paper §4.1 step 4): in-flight requests stop at a token

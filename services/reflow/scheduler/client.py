@@ -7,7 +7,9 @@ import json
 
 import grpc
 
-from reflow.core.errors import Conflict, InvalidArgument, NotFound, Unavailable
+from reflow.core.errors import (
+    Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+)
 from reflow.scheduler.jobs import JobRecord
 from reflow.scheduler.local import ServiceLog
 
@@ -25,6 +27,10 @@ def _translate(fn):
                 raise Conflict(details) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(details) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise ResourceExhausted(details) from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(details) from None
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise Unavailable(f"scheduler unavailable: {details}") from None
             raise
@@ -74,7 +80,8 @@ class GrpcSchedulerClient:
         return _from_proto(self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s))
 
     @_translate
-    def list(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+    def list(self, limit: int = 100,  # nosec B107 # page_token is a cursor, not a secret
+             page_token: str = "") -> tuple[list[JobRecord], str]:
         """One page, newest first, and the token of the next page ("" on the last)."""
         from reflow.v1 import scheduler_pb2
 

@@ -81,6 +81,9 @@ class JobStore:
             return record, True
         return self.get(record.job_id), False
 
+    def exists(self, job_id: str) -> bool:
+        return bool(self.redis.hexists(_JOBS, job_id))
+
     def save(self, record: JobRecord) -> None:
         self.redis.hset(_JOBS, record.job_id, json.dumps(asdict(record)))
 
@@ -90,7 +93,8 @@ class JobStore:
             raise KeyError(f"no job {job_id!r}")
         return JobRecord(**json.loads(raw))
 
-    def page(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+    def page(self, limit: int = 100,  # nosec B107 # page_token is a cursor, not a secret
+             page_token: str = "") -> tuple[list[JobRecord], str]:
         """Newest first. The token is the submission number of the last job returned,
         so pages stay stable while new jobs arrive."""
         if not 1 <= limit <= 1000:
@@ -110,7 +114,7 @@ class JobStore:
         return records, (str(int(rows[-1][1])) if more else "")
 
     def all(self) -> Iterator[JobRecord]:
-        token = ""
+        token = ""  # nosec B105 # a pagination cursor, not a secret
         while True:
             records, token = self.page(1000, token)
             yield from records

@@ -97,7 +97,8 @@ class KubePlacement(Placement):
     backend: "KubernetesBackend | None" = None
 
     def exited(self) -> list[tuple[str, int]]:
-        assert self.backend is not None
+        if self.backend is None:
+            raise RuntimeError("KubePlacement has no backend; KubernetesBackend.place sets it")
         return self.backend.lost_pods(self)
 
     @property

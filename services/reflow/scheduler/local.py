@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-import subprocess
+import subprocess  # nosec B404 # only the Popen type; procs.spawn starts the processes
 
 from reflow import procs, rpc
 
@@ -137,12 +137,16 @@ class LocalBackend:
                   workers: dict[str, list[str]] | None = None) -> list[ServiceLog]:
         """The last `tail_bytes` of each service's log file; a service that has not
         started yet has an empty log."""
+        from reflow.core.paths import confine
+
         out = []
         for service in services:
             path = run_dir / "logs" / f"{service}.log"
             if not path.exists():
                 out.append(ServiceLog(service, "", False))
                 continue
+            # A log file that is a symlink leading out of the run directory is not read.
+            path = confine(path, run_dir, f"logs.{service}")
             with open(path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - tail_bytes))

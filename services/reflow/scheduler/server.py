@@ -73,10 +73,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.JobMetricsReply(records_json=[json.dumps(r) for r in records])
 
 
+SERVICE_NAME = "reflow.v1.Scheduler"
+# StopJob waits for the job's services to stop: bounded by rpc.LongCallGuard.
+LONG_METHODS = (f"/{SERVICE_NAME}/StopJob",)
+
+
 def serve(scheduler: Scheduler, address: str) -> tuple[grpc.Server, int]:
     servicer = SchedulerServicer(scheduler)
     return rpc.make_server(
-        "reflow.v1.Scheduler",
+        SERVICE_NAME,
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
         address,
+        long_methods=LONG_METHODS,
     )

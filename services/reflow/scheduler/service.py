@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import re
 import time
 import uuid
 from pathlib import Path
 
-from reflow.core.config import JobSpec
-from reflow.core.errors import Conflict, NoCapacity
+from reflow.core.config import JobSpec, check_job_id
+from reflow.core.errors import Conflict, NoCapacity, ResourceExhausted
+from reflow.core.limits import OperatorLimits
+from reflow.core.paths import PathRoots
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
@@ -30,17 +31,18 @@ POLL_INTERVAL_S = 1.0
 # How often a job waiting for free workers tries again.
 QUEUE_RETRY_S = 5.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
-# Job ids end up in Kubernetes labels and DNS names: a DNS-1123 label.
-JOB_ID_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Scheduler:
-    def __init__(self, store: JobStore, backend, runs_root: Path) -> None:
+    def __init__(self, store: JobStore, backend, roots: PathRoots,
+                 limits: OperatorLimits | None = None) -> None:
         """`backend`: LocalBackend or KubernetesBackend (prepare, place, release,
-        read_logs, reclaim_orphans, leader_lease)."""
+        read_logs, reclaim_orphans, leader_lease). `roots`: where run directories and
+        models may be; `limits`: the operator's ceilings on a spec."""
         self.store = store
         self.backend = backend
-        self.runs_root = Path(runs_root)
+        self.roots = roots
+        self.limits = limits or OperatorLimits()
         self._stops: dict[str, threading.Event] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._placements: dict[str, Placement] = {}
@@ -60,35 +62,52 @@ class Scheduler:
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
         """Record and start a job. A given job_id makes this idempotent: the same spec
-        again returns the existing job and False; another spec under it is a Conflict."""
+        again returns the existing job and False; another spec under it is a Conflict.
+        The spec's paths must lie under the operator's roots and its sizes within the
+        operator's ceilings (ValueError naming the field); a full house of active jobs
+        is ResourceExhausted."""
         spec = JobSpec.model_validate_json(spec_json)
-        if job_id and not JOB_ID_PATTERN.fullmatch(job_id):
-            raise ValueError(f"job_id: {job_id!r} is not a valid id; use 1-63 lowercase "
-                             "letters, digits and '-', starting and ending alphanumeric")
+        if job_id:
+            check_job_id(job_id)
+        self.limits.check(spec)
+        model_path = self.roots.model_dir(spec.model.path)
+        spec.model.path = str(model_path)
         job_id = job_id or f"{spec.name[:54]}-{uuid.uuid4().hex[:8]}"
         record = JobRecord(
             job_id=job_id, name=spec.name, spec_json=spec.model_dump_json(),
             num_steps=spec.trainer.num_steps,
-            run_dir=str(Path(run_dir) if run_dir else self.runs_root / job_id),
+            run_dir=str(self.roots.run_dir(run_dir or job_id)),
         )
-        stored, created = self.store.create(record)
-        if not created:
-            if stored.spec_json != record.spec_json:
-                raise Conflict(f"job {job_id!r} exists with a different spec; submit under "
-                               "a new submission_id, or resend the original spec")
-            return stored, False
-        stop = threading.Event()
-        thread = threading.Thread(target=self._run_job, args=(record, stop),
-                                  name=f"job-{job_id}", daemon=True)
         with self._lock:
+            active = sum(1 for t in self._threads.values() if t.is_alive())
+            if self.store.exists(job_id):
+                return self._resubmitted(record)
+            if active >= self.limits.max_active_jobs:
+                raise ResourceExhausted(
+                    f"{active} jobs are pending or running, this cluster's ceiling "
+                    f"(REFLOW_MAX_ACTIVE_JOBS={self.limits.max_active_jobs}); retry when one ends")
+            stored, created = self.store.create(record)
+            if not created:
+                return self._resubmitted(record)
+            stop = threading.Event()
+            thread = threading.Thread(target=self._run_job, args=(record, stop),
+                                      name=f"job-{job_id}", daemon=True)
             self._stops[job_id], self._threads[job_id] = stop, thread
         thread.start()
         return record, True
 
+    def _resubmitted(self, record: JobRecord) -> tuple[JobRecord, bool]:
+        stored = self.store.get(record.job_id)
+        if stored.spec_json != record.spec_json:
+            raise Conflict(f"job {record.job_id!r} exists with a different spec; submit under "
+                           "a new submission_id, or resend the original spec")
+        return stored, False
+
     def get(self, job_id: str) -> JobRecord:
         return self.store.get(job_id)
 
-    def list(self, limit: int = 100, page_token: str = "") -> tuple[list[JobRecord], str]:
+    def list(self, limit: int = 100,  # nosec B107 # page_token is a cursor, not a secret
+             page_token: str = "") -> tuple[list[JobRecord], str]:
         return self.store.page(limit, page_token)
 
     def stop(self, job_id: str) -> JobRecord:
@@ -105,7 +124,9 @@ class Scheduler:
         if not 1 <= tail_bytes <= MAX_LOG_TAIL_BYTES:
             raise ValueError(f"tail_bytes: {tail_bytes} is out of range; use 1 to {MAX_LOG_TAIL_BYTES}")
         record = self.store.get(job_id)
-        return self.backend.read_logs(Path(record.run_dir),
+        # The record's run_dir was confined at submission; the roots may have moved since.
+        run_dir = self.roots.run_dir(record.run_dir)
+        return self.backend.read_logs(run_dir,
                                       [service] if service else list(LOG_SERVICES), tail_bytes,
                                       record.workers)
 
@@ -143,8 +164,11 @@ class Scheduler:
             self.store.save(record)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
-            for client in rollouts:
-                client.start_job(record.job_id, record.spec_json, placement.replay_address)
+            # The trainer gives rollout worker i rank i+1 of its weight-sync group.
+            trainer_host = placement.trainer_address.rpartition(":")[0]
+            for rank, client in enumerate(rollouts, start=1):
+                client.start_job(record.job_id, record.spec_json, placement.replay_address,
+                                 rank, len(rollouts) + 1, trainer_host)
             trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
                               placement.rollout_addresses, str(run_dir))
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts, stop)

@@ -120,8 +120,12 @@ class TrainLoop:
             # One OpenMP thread per core this process may use (see procs.split_cpus).
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         dtype = getattr(torch, self.spec.model.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=dtype)
+        # model.path is confined under the models root (TrainerService); never reach the Hub.
+        path = self.spec.model.path
+        self.tokenizer = AutoTokenizer.from_pretrained(  # nosec B615 # local dir only
+            path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(  # nosec B615 # local dir only
+            path, dtype=dtype, local_files_only=True)
         self.model.to(self.device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(

@@ -46,6 +46,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
 
 SERVICE_NAME = "reflow.v1.Trainer"
+# Calls that wait on the train loop: bounded by rpc.LongCallGuard.
+LONG_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("StartJob", "StopJob"))
 
 
 def register(service: TrainerService):
@@ -55,4 +57,4 @@ def register(service: TrainerService):
 
 
 def serve(service: TrainerService, address: str) -> tuple[grpc.Server, int]:
-    return rpc.make_server(SERVICE_NAME, register(service), address)
+    return rpc.make_server(SERVICE_NAME, register(service), address, long_methods=LONG_METHODS)

@@ -8,18 +8,25 @@ import os
 import threading
 from pathlib import Path
 
-from reflow.core.config import JobSpec
+from reflow.core.config import JobSpec, check_job_id
+from reflow.core.errors import FailedPrecondition
+from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.trainer.loop import JobStopped, TrainLoop
 
 logger = logging.getLogger(__name__)
 
+# Rollout workers one trainer broadcasts weights to (its weight-sync group less itself).
+MAX_ROLLOUT_WORKERS = 4095
+
 
 class TrainerService:
     def __init__(self, replay_client_factory=GrpcReplayClient,
-                 rollout_client_factory=GrpcRolloutClient, metrics=None) -> None:
+                 rollout_client_factory=GrpcRolloutClient, metrics=None,
+                 roots: PathRoots | None = None) -> None:
         self.metrics = metrics
+        self.roots = roots or PathRoots.from_env()
         self._replay_client_factory = replay_client_factory
         self._rollout_client_factory = rollout_client_factory
         self._lock = threading.Lock()
@@ -31,13 +38,20 @@ class TrainerService:
 
     def start_job(self, job_id: str, spec: JobSpec, replay_address: str,
                   rollout_addresses: list[str], run_dir: str) -> None:
+        check_job_id(job_id)
+        if not 1 <= len(rollout_addresses) <= MAX_ROLLOUT_WORKERS:
+            raise ValueError(f"rollout_addresses: {len(rollout_addresses)} given; a job has 1 to "
+                             f"{MAX_ROLLOUT_WORKERS} rollout workers")
+        # Paths from the request resolve under this process's roots, or are refused.
+        model_path = self.roots.model_dir(spec.model.path)
+        spec = spec.model_copy(update={"model": spec.model.model_copy(
+            update={"path": str(model_path)})})
+        run_dir = str(self.roots.run_dir(run_dir)) if run_dir else ""
         with self._lock:
             if self.state in ("starting", "running"):
                 if self.job_id == job_id:
                     return
-                raise ValueError(f"this trainer already runs job {self.job_id}")
-            if not rollout_addresses:
-                raise ValueError("rollout_addresses: at least one rollout worker is required")
+                raise FailedPrecondition(f"this trainer already runs job {self.job_id}")
             self.job_id, self.state, self.error = job_id, "starting", ""
             replay = self._replay_client_factory(replay_address)
             rollouts = [self._rollout_client_factory(a) for a in rollout_addresses]
@@ -51,7 +65,8 @@ class TrainerService:
 
     def _run(self) -> None:
         loop = self.loop
-        assert loop is not None
+        if loop is None:
+            raise RuntimeError("trainer: _run started before start_job created the loop")
         try:
             from reflow.models.tiny import ensure_model
 

@@ -1,0 +1,58 @@
+"""Path confinement: every path that arrives in a job spec or an RPC must lie
+under a root the operator configured, and is refused, naming its field,
+otherwise.
+
+Two roots: runs (`REFLOW_RUNS_DIR`: run directories, metrics, checkpoints,
+logs) and models (`REFLOW_MODELS_DIR`: model directories). A path is resolved
+the way the operating system would open it, `..` and symlinks included, and
+must then lie strictly below its root; a relative path is taken relative to
+the root. Each service checks with its own roots on its own filesystem, so a
+symlink planted on a worker's volume is caught where it would be followed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNS_ROOT_ENV = "REFLOW_RUNS_DIR"
+MODELS_ROOT_ENV = "REFLOW_MODELS_DIR"
+DEFAULT_RUNS_ROOT = "runs"
+DEFAULT_MODELS_ROOT = ".reflow/models"
+
+
+def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], field: str,
+            root_env: str = "") -> Path:
+    """`path` resolved (symlinks followed), if it lies strictly below `root`;
+    otherwise a ValueError that names `field` and the root."""
+    text = os.fspath(path)
+    if not text or "\x00" in text:
+        raise ValueError(f"{field}: must be a non-empty path without NUL bytes")
+    real_root = Path(os.path.realpath(root))
+    candidate = Path(text) if os.path.isabs(text) else real_root / text
+    real = Path(os.path.realpath(candidate))
+    if real == real_root or not real.is_relative_to(real_root):
+        where = f" ({root_env})" if root_env else ""
+        raise ValueError(f"{field}: {text!r} is outside the allowed root {real_root}{where}; "
+                         "give a path below it, with no '..' or symlink leading out")
+    return real
+
+
+@dataclass(frozen=True)
+class PathRoots:
+    """The operator's roots; `from_env` reads them as `reflow serve` does."""
+
+    runs: Path
+    models: Path
+
+    @classmethod
+    def from_env(cls) -> PathRoots:
+        return cls(runs=Path(os.environ.get(RUNS_ROOT_ENV) or DEFAULT_RUNS_ROOT).absolute(),
+                   models=Path(os.environ.get(MODELS_ROOT_ENV) or DEFAULT_MODELS_ROOT).absolute())
+
+    def run_dir(self, path: str | os.PathLike[str], field: str = "run_dir") -> Path:
+        return confine(path, self.runs, field, RUNS_ROOT_ENV)
+
+    def model_dir(self, path: str | os.PathLike[str], field: str = "model.path") -> Path:
+        return confine(path, self.models, field, MODELS_ROOT_ENV)

@@ -27,11 +27,14 @@ def _setup_logging(level: str = "INFO") -> None:
     )
 
 
-def _load_spec(config: str, overrides: list[str]):
+def _load_spec(config: str, overrides: list[str], local_paths: bool = True):
+    """`local_paths`: relative model paths resolve against this directory (a local
+    run); otherwise they are sent as written, and the cluster takes them under its
+    models root."""
     from reflow.core.config import JobSpecError, load_job_spec
 
     try:
-        return load_job_spec(config, overrides)
+        return load_job_spec(config, overrides, resolve_model_path=local_paths)
     except JobSpecError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -75,7 +78,7 @@ def _api_error(reply) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     import httpx
 
-    spec = _load_spec(args.config, args.overrides)
+    spec = _load_spec(args.config, args.overrides, local_paths=False)
     body = spec.model_dump(mode="json")
     if args.submission_id:
         body["submission_id"] = args.submission_id

@@ -332,16 +332,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML spec, apply dotted overrides, validate. Relative model paths resolve
-    against the current directory so the resolved spec is valid anywhere."""
+def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = None,
+                  resolve_model_path: bool = True) -> JobSpec:
+    """Read a YAML spec, apply dotted overrides, validate. With `resolve_model_path`,
+    a relative model path resolves against the current directory (a local run);
+    without, it stays relative and a cluster takes it under its models root."""
     text = Path(path).read_text()
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise JobSpecError(f"{path}: the top level must be a mapping")
     data = apply_overrides(data, overrides or [])
     spec = parse_job_spec(data)
-    spec.model.path = str(Path(spec.model.path).expanduser().absolute())
+    if resolve_model_path:
+        spec.model.path = str(Path(spec.model.path).expanduser().absolute())
     return spec
 
 

@@ -1,7 +1,8 @@
 """`reflow run`: a whole job on this machine, every service its own process.
 
 Starts an embedded Redis (append-only, in the run directory), the scheduler
-and the API; submits the job to the scheduler, which places the replay
+and the API (with a random bearer token for this run, in `<run_dir>/api-token`,
+mode 0600); submits the job to the scheduler, which places the replay
 buffer, rollout worker and trainer with its local backend; shows progress
 from the API; and writes summary.json and report.png at the end. Ctrl-C stops
 the job and ends every process it started, vLLM's engine included.

@@ -67,6 +67,14 @@ def test_module_paths_in_plugin_fields_are_refused_and_run_nothing(stack, tmp_pa
     assert core.list()[0] == []
 
 
+@pytest.mark.parametrize("path", MODULE_PATHS)
+def test_a_module_path_as_task_is_refused(stack, tmp_path, canary, path):
+    client, core = stack
+    r = client.post("/v1/jobs", json=_spec(tmp_path, task={"name": path}), headers=AUTH)
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "task.name"
+    assert core.list()[0] == []
+
+
 def test_plugin_arguments_are_checked_by_the_plugins_own_model(stack, tmp_path):
     client, _ = stack
     cases = [({"replay_filter": "max_use_count", "filter_args": {"max_uses": 0}},

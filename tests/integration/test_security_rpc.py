@@ -126,6 +126,13 @@ def _code(call) -> grpc.StatusCode:
     return err.value.code(), err.value.details()
 
 
+def _until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
 def _health_within(channel, timeout_s: float) -> bool:
     """The health check answered SERVING within its deadline."""
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
@@ -255,10 +262,7 @@ def test_a_stray_update_honours_its_deadline_and_the_real_one_joins_it(replay, r
     # the handler gives up at the caller's deadline instead of holding a thread.
     code, _ = _code(lambda: update(1, 1.0))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 5
-    while server.long_call_guard.in_flight and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.long_call_guard.in_flight == 0
+    _until(lambda: server.long_call_guard.in_flight == 0)
     # Another version while v1 is loading: refused at once.
     code, details = _code(lambda: update(2, 10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "in progress" in details
@@ -282,7 +286,8 @@ def test_thirty_two_blocking_rpcs_leave_the_health_check_answering(replay, rollo
         rollout_pb2.UpdateWeightsRequest(job_id=JOB, policy_version=1), timeout=60)
     with ThreadPoolExecutor(32) as pool:
         calls = [pool.submit(update) for _ in range(32)]
-        time.sleep(1.0)
+        _until(lambda: server.long_call_guard.in_flight == rpc.MAX_LONG_CALLS
+               and sum(c.done() for c in calls) == 32 - rpc.MAX_LONG_CALLS)
         # Every long-call slot is held by a blocked update; the health check and a
         # short call still get a thread and answer within their 1 s deadline.
         assert server.long_call_guard.in_flight == rpc.MAX_LONG_CALLS
@@ -307,7 +312,6 @@ def test_thirty_two_blocking_rpcs_leave_the_health_check_answering(replay, rollo
             job_id="empty-job", batch_size=4, lease_ttl_s=30, timeout_s=3), timeout=10)
         with ThreadPoolExecutor(32) as pool:
             polls = [pool.submit(poll) for _ in range(32)]
-            time.sleep(0.5)
-            assert replay_server.long_call_guard.in_flight > 0
+            _until(lambda: replay_server.long_call_guard.in_flight == 32)
             assert _health_within(ch, 1.0)
             assert all(not p.result().lease_id for p in polls)

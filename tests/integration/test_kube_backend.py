@@ -1,41 +1,61 @@
 """The kubernetes backend and the scheduler's leader lease, through the
-official client over HTTP to an emulated API server (see kube_emulator.py
-for what the emulator does not check)."""
+official client over HTTP to the strict API test server (kube_apiserver.py:
+preconditions, selectors, watches and leases as the API conventions have them;
+not a cluster). Every pod here points at one real, idle worker: the rollout and
+trainer services on one gRPC server, as `reflow serve worker` hosts them. Jobs
+that really run are in test_kube_cluster.py."""
 
-import datetime as dt
+import time
 
-import kmock
 import pytest
 from kubernetes import client
 
-from reflow.core.paths import PathRoots
 from reflow import rpc
 from reflow.core.errors import NoCapacity
+from reflow.core.paths import PathRoots
+from reflow.rollout import server as rollout_server
+from reflow.rollout.service import RolloutService
 from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings, parse_selector
+from reflow.scheduler.leader import LeaderLease
+from reflow.trainer import server as trainer_server
+from reflow.trainer.service import TrainerService
 
-from tests.integration.kube_emulator import kube_emulator, worker_pod
+from tests.integration.kube_apiserver import KubeApiServer, worker_pod
 
 SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 
 
 @pytest.fixture
 def kube():
-    with kube_emulator() as (api_client, emulator):
-        yield api_client, emulator
+    with KubeApiServer() as api:
+        yield api.client(), api
 
 
 @pytest.fixture
 def worker_port():
-    """One real gRPC health endpoint stands for every worker pod (all on 127.0.0.1)."""
-    server, port = rpc.make_server("reflow.v1.Worker", lambda s: None, "127.0.0.1:0")
+    """An idle worker (rollout + trainer services) on 127.0.0.1, behind every pod."""
+    register_rollout = rollout_server.register(RolloutService())
+    register_trainer = trainer_server.register(TrainerService())
+    server, port = rpc.make_server(
+        (rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
+        lambda s: (register_rollout(s), register_trainer(s)), "127.0.0.1:0")
     yield port
     server.stop(0)
 
 
 def _backend(api_client, port, **overrides):
     settings = KubeSettings(namespace="ml", worker_selector=SELECTOR, worker_port=port,
-                            replay_address="rl-replay:50052", health_timeout_s=10, **overrides)
+                            replay_address="rl-replay:50052", health_timeout_s=10,
+                            request_timeout_s=2, resync_s=2, **overrides)
     return KubernetesBackend(settings, api_client)
+
+
+def _until(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+    return value
 
 
 def _labels(core, name):
@@ -79,18 +99,23 @@ def test_a_restarted_or_deleted_worker_fails_the_placement(kube, worker_port, tm
     backend = _backend(api_client, worker_port, max_rollout_workers=1)
     placement = backend.place("job", tmp_path)
     assert placement.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
-    core.patch_namespaced_pod("rl-worker-1", "ml", {"status": {"containerStatuses": [
+    _until(backend.pod_watch.synced.is_set)
+    assert placement.exited() == []
+    # The kubelet reports a restart through /status; the watch brings it.
+    core.patch_namespaced_pod_status("rl-worker-1", "ml", {"status": {"containerStatuses": [
         {"name": "worker", "ready": True, "restartCount": 1, "image": "reflow", "imageID": "",
          "state": {}, "lastState": {"terminated": {"exitCode": 137}}}]}})
-    assert placement.exited() == [("rl-worker-1", 137)]
+    assert _until(placement.exited) == [("rl-worker-1", 137, "restarted")]
     core.delete_namespaced_pod("rl-worker-0", "ml")
-    assert ("rl-worker-0", -1) in placement.exited()
+    assert ("rl-worker-0", -1, "was deleted") in _until(lambda: len(placement.exited()) == 2
+                                                        and placement.exited())
+    backend.close()
 
 
 def test_job_logs_come_from_the_pods_of_each_role(kube, worker_port, tmp_path):
-    api_client, emulator = kube
-    emulator["get /api/v1/namespaces/ml/pods/rl-worker-0/log"] << kmock.Response(
-        payload=b"step 1 reward 0.1\n", headers={"Content-Type": "text/plain"})
+    api_client, api = kube
+    api.create(worker_pod("rl-worker-0"))
+    api.set_log("ml", "rl-worker-0", "step 1 reward 0.1\n")
     backend = _backend(api_client, worker_port)
     logs = backend.read_logs(tmp_path, ["trainer", "rollout"], 4096,
                              {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-9"]})
@@ -104,20 +129,88 @@ def test_selectors_are_parsed_strictly():
         parse_selector("a!=b")
 
 
-def test_one_scheduler_holds_the_lease_until_it_expires(kube):
+def _lease(api_client, identity, **timing):
+    timing = {"duration_s": 3.0, "renew_deadline_s": 2.0, "retry_s": 0.5, **timing}
+    return LeaderLease(client.CoordinationV1Api(api_client), "ml", "rl-scheduler", identity,
+                       **timing)
+
+
+def test_one_scheduler_holds_the_lease_until_it_stops_renewing(kube):
     api_client, _ = kube
-    backend = _backend(api_client, 1)
-    first = backend.leader_lease("rl-scheduler", "scheduler-a")
-    second = backend.leader_lease("rl-scheduler", "scheduler-b")
+    first, second = _lease(api_client, "scheduler-a"), _lease(api_client, "scheduler-b")
     assert first.try_acquire() and first.try_acquire()  # a renewal
+    assert first.held()
     assert not second.try_acquire()
+    # A renewTime far in the past, as a holder with a skewed clock would write it,
+    # does not make the lease look expired: expiry runs on the observer's clock.
     coordination = client.CoordinationV1Api(api_client)
-    past = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=60)).isoformat()
-    coordination.patch_namespaced_lease("rl-scheduler", "ml", {"spec": {"renewTime": past}})
-    assert second.try_acquire()  # first stopped renewing: expired
+    coordination.patch_namespaced_lease("rl-scheduler", "ml",
+                                        {"spec": {"renewTime": "2001-01-01T00:00:00.000000Z"}})
+    assert not second.try_acquire()  # a change was just observed
+    time.sleep(2.2)
+    assert not first.held()  # no renewal within the renew deadline: it stops acting
+    time.sleep(1.2)  # a whole lease duration without change, seen from the candidate
+    assert second.try_acquire()
     lease = coordination.read_namespaced_lease("rl-scheduler", "ml")
     assert lease.spec.holder_identity == "scheduler-b" and lease.spec.lease_transitions == 1
     assert not first.try_acquire()
+
+
+def test_a_leader_that_cannot_renew_stops_acting_before_anyone_can_take_over(kube):
+    api_client, api = kube
+    leader, candidate = _lease(api_client, "scheduler-a"), _lease(api_client, "scheduler-b")
+    assert leader.try_acquire()
+    lost = []
+    leader.keep(on_lost=lambda: lost.append(time.monotonic()))
+    assert not candidate.try_acquire()
+    started = time.monotonic()
+    api.fail(path="/leases/", status=500, count=1000)  # the API refuses every lease call
+    _until(lambda: lost, 5)
+    assert not leader.held()
+    lost_after = lost[0] - started
+    assert lost_after < leader.duration_s  # it gave up within its renew deadline
+    api.fail(path="/leases/", status=500, count=0)
+    while not candidate.try_acquire():
+        time.sleep(0.1)
+    assert time.monotonic() - started >= candidate.duration_s  # never while the old one acted
+
+
+def test_a_conflict_on_a_claim_is_retried_and_two_placements_never_share_a_pod(kube, worker_port,
+                                                                              tmp_path):
+    api_client, api = kube
+    for i in range(4):
+        api.create(worker_pod(f"rl-worker-{i}"))
+    backend = _backend(api_client, worker_port, max_rollout_workers=1)
+    api.fail("PATCH", path="/pods/", status=409, count=1)
+    first = backend.place("job-a", tmp_path)
+    # Another scheduler's view: a stale list whose claim must lose.
+    other = _backend(api_client, worker_port, max_rollout_workers=1)
+    second = other.place("job-b", tmp_path)
+    assert not set(first.pods) & set(second.pods)
+    labels = {n: api.get("pods", "ml", n)["metadata"]["labels"].get(JOB_LABEL)
+              for n in (f"rl-worker-{i}" for i in range(4))}
+    assert sorted(labels.values()) == ["job-a", "job-a", "job-b", "job-b"]
+    # A release only takes back pods that still carry its job.
+    client.CoreV1Api(api_client).patch_namespaced_pod(
+        "rl-worker-0", "ml", {"metadata": {"labels": {JOB_LABEL: "job-z"}}})
+    backend.release(first)
+    assert api.get("pods", "ml", "rl-worker-0")["metadata"]["labels"][JOB_LABEL] == "job-z"
+    assert JOB_LABEL not in api.get("pods", "ml", "rl-worker-1")["metadata"]["labels"]
+    backend.close()
+    other.close()
+
+
+def test_transient_api_errors_are_retried_and_counted(kube, worker_port, tmp_path):
+    api_client, api = kube
+    for i in range(2):
+        api.create(worker_pod(f"rl-worker-{i}"))
+    backend = _backend(api_client, worker_port)
+    api.fail("GET", path="/pods", status=500, count=2)
+    api.fail("PATCH", path="/pods/", status=503, count=1)
+    placement = backend.place("job", tmp_path)
+    assert placement.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
+    assert backend.api_errors.get("http_500", 0) >= 2 and backend.api_errors["http_503"] == 1
+    backend.close()
 
 
 def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, worker_port, tmp_path,
@@ -127,7 +220,7 @@ def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, wo
     from reflow.scheduler.jobs import JobRecord, JobStore
     from reflow.scheduler.service import Scheduler
 
-    api_client, _ = kube
+    api_client, api = kube
     core = client.CoreV1Api(api_client)
     busy = {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "worker",
             ROLE_LABEL: "trainer", JOB_LABEL: "was-running"}
@@ -139,6 +232,8 @@ def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, wo
     backend = _backend(api_client, worker_port)
     assert backend.free_workers() == []
 
+    # The first reclaim patch hits a conflict (a kubelet status write, say): re-read, redo.
+    api.fail("PATCH", path="/pods/rl-worker-0", status=409, count=1)
     Scheduler(store, backend, PathRoots(tmp_path, tmp_path)).recover()
     assert store.get("was-running").phase == "FAILED"
     assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-0", "rl-worker-1"]

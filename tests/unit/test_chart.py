@@ -173,7 +173,7 @@ def test_the_scheduler_role_is_namespaced_and_minimal():
     assert rules == {
         (("",), ("pods",)): ["get", "list", "patch", "watch"],
         (("",), ("pods/log",)): ["get"],
-        (("coordination.k8s.io",), ("leases",)): ["create", "get", "patch"],
+        (("coordination.k8s.io",), ("leases",)): ["create", "get", "update"],
     }
     docs_without_logs, _ = render({"scheduler": {"readPodLogs": False}})
     role = by_kind(docs_without_logs, "Role")["rl-reflow-scheduler"]

@@ -123,7 +123,11 @@ class RolloutService:
         return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
 
     def stats(self, job_id: str) -> tuple[RolloutCounters, float, str, str]:
-        worker = self._worker_for(job_id)
+        """A job's stats; with an empty job_id, this worker's latest job, or `idle`
+        (what the scheduler checks before offering the worker to a job)."""
+        if not job_id and self.worker is None:
+            return RolloutCounters(), 0.0, "idle", ""
+        worker = self.worker if not job_id else self._worker_for(job_id)
         return worker.counters, worker.idle_seconds(), worker.state, worker.error
 
     def shutdown(self) -> None:

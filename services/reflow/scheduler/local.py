@@ -50,8 +50,10 @@ class Placement:
     trainer_address: str
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def exited(self) -> list[tuple[str, int]]:
-        return [(name, p.returncode) for name, p in self.processes.items() if p.poll() is not None]
+    def exited(self) -> list[tuple[str, int, str]]:
+        """Services that are gone: (name, exit code, what happened)."""
+        return [(name, p.returncode, "exited") for name, p in self.processes.items()
+                if p.poll() is not None]
 
     @property
     def workers(self) -> dict[str, list[str]]:
@@ -116,6 +118,14 @@ class LocalBackend:
         for name, proc in placement.processes.items():
             procs.terminate_tree(proc.pid, timeout_s=15)
             proc.wait()
+
+    def close(self) -> None:
+        """Nothing to stop: placements end with their jobs."""
+
+    @property
+    def api_errors(self) -> dict[str, int]:
+        """No cluster API here."""
+        return {}
 
     def leader_lease(self, name: str, identity: str) -> None:
         """A local scheduler is alone by construction: no lease."""

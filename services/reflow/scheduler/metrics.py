@@ -4,7 +4,7 @@ placements at scrape time. Names follow `reflow_scheduler_<noun>_<unit>`."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from reflow.scheduler.jobs import PHASES
 
@@ -33,6 +33,12 @@ class SchedulerCollector:
         for role in ROLES:
             workers.add_metric([role], by_role.get(role, 0))
         yield workers
+        errors = CounterMetricFamily(
+            "reflow_scheduler_kube_api_errors", "Transient cluster API errors (timeouts, 5xx, "
+            "429, dropped watches), each retried; by reason.", labels=["reason"])
+        for reason, n in sorted(self.scheduler.backend.api_errors.items()):
+            errors.add_metric([reason], n)
+        yield errors
 
 
 def scheduler_registry(scheduler) -> CollectorRegistry:

@@ -144,6 +144,7 @@ class Scheduler:
             self._stops[job_id].set()
         for thread in list(self._threads.values()):
             thread.join(60)
+        self.backend.close()
 
     # --- one job ---------------------------------------------------------------------
 
@@ -208,8 +209,8 @@ class Scheduler:
                 return "STOPPED", "stopped by request"
             exited = placement.exited()
             if exited:
-                name, code = exited[0]
-                return "FAILED", (f"{name} exited with code {code}; "
+                name, code, what = exited[0]
+                return "FAILED", (f"{name} {what} (exit code {code}); "
                                   f"see GET /v1/jobs/{record.job_id}/logs")
             for client in rollouts:
                 stats = client.stats(record.job_id)

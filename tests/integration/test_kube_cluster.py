@@ -1,0 +1,272 @@
+"""The Kubernetes backend end to end, over real HTTP against the strict API test
+server (kube_apiserver.py), with real `reflow serve worker` processes behind
+the pods' IPs (127.0.0.1x on loopback) running real jobs (vLLM rollout, torch
+trainer, real replay buffer on real Redis): concurrent placements, reuse of
+released pods, injected conflicts, a stalled API server, a pod replaced under
+its name, and leader fail-over between two scheduler processes.
+
+The API server is ours, not a kube-apiserver: these tests exercise our calls
+against the API conventions (preconditions, watches, leases), not a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from reflow import procs, rpc
+from reflow.core.config import parse_job_spec
+from reflow.core.paths import PathRoots
+from reflow.replay.server import serve as serve_replay
+from reflow.replay.store import ReplayStore
+from reflow.scheduler.jobs import JobStore
+from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings
+from reflow.scheduler.service import Scheduler
+
+from tests.integration.kube_apiserver import KubeApiServer, worker_pod
+
+pytestmark = [pytest.mark.slow, pytest.mark.k8s]
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "ml"
+SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
+NUM_WORKERS = 4
+
+
+def _ip(i: int) -> str:
+    return f"127.0.0.{11 + i}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_server, tiny_model):
+    """The API server, four worker processes behind four pod IPs, a replay buffer."""
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    port = procs.free_port()
+    workers = []
+    for i in range(NUM_WORKERS):
+        env = {**os.environ, "REFLOW_POD_IP": _ip(i), "REFLOW_PIN_CPUS": "0"}
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "reflow.cli", "serve", "worker", "--host", _ip(i),
+             "--port", str(port)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+            stdout=open(logs / f"worker-{i}.log", "wb"), stderr=subprocess.STDOUT))
+    replay_server, replay_port = serve_replay(ReplayStore.from_url(redis_server.url),
+                                              "127.0.0.1:0")
+    try:
+        for i in range(NUM_WORKERS):
+            rpc.wait_healthy(f"{_ip(i)}:{port}", 120)
+        with KubeApiServer() as api:
+            yield {"api": api, "port": port, "replay": f"127.0.0.1:{replay_port}",
+                   "logs": logs, "model": tiny_model, "redis": redis_server.url}
+    finally:
+        replay_server.stop(0)
+        for proc in workers:
+            procs.terminate_tree(proc.pid, timeout_s=30)
+
+
+@pytest.fixture
+def pods(cluster):
+    api = cluster["api"]
+    for i in range(NUM_WORKERS):
+        api.create(worker_pod(f"rl-worker-{i}", ip=_ip(i), namespace=NAMESPACE))
+    yield api
+    for i in range(NUM_WORKERS):
+        try:
+            api.delete("pods", NAMESPACE, f"rl-worker-{i}")
+        except Exception:  # noqa: BLE001 - a test may have removed it
+            pass
+
+
+def _settings(cluster, **overrides) -> KubeSettings:
+    return KubeSettings(namespace=NAMESPACE, worker_selector=SELECTOR,
+                        worker_port=cluster["port"], replay_address=cluster["replay"],
+                        max_rollout_workers=1, health_timeout_s=60, request_timeout_s=2,
+                        resync_s=5, **overrides)
+
+
+@pytest.fixture
+def scheduler(cluster, pods, redis_client, tmp_path):
+    backend = KubernetesBackend(_settings(cluster), cluster["api"].client())
+    core = Scheduler(JobStore(redis.Redis.from_url(cluster["redis"])), backend,
+                     PathRoots(tmp_path, Path(cluster["model"]).parent))
+    yield core
+    core.shutdown()
+
+
+def _spec(cluster, name: str, steps: int) -> str:
+    return parse_job_spec({
+        "name": name, "model": {"path": cluster["model"]},
+        "rollout": {"group_size": 4, "max_tokens": 12, "max_inflight_samples": 8,
+                    "kv_cache_gb": 0.5},
+        "trainer": {"batch_size": 8, "num_steps": steps, "batch_timeout_s": 120},
+    }).model_dump_json()
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def _pod_labels(api, name: str) -> dict:
+    return api.get("pods", NAMESPACE, name)["metadata"].get("labels", {})
+
+
+def _all_idle(api) -> bool:
+    return all(_pod_labels(api, f"rl-worker-{i}").get(ROLE_LABEL) in (None, "idle")
+               and JOB_LABEL not in _pod_labels(api, f"rl-worker-{i}")
+               for i in range(NUM_WORKERS))
+
+
+def test_concurrent_jobs_use_disjoint_pods_and_released_pods_take_the_next_job(cluster,
+                                                                               scheduler):
+    api = cluster["api"]
+    # Two jobs submitted at the same moment race for the same first free pods.
+    submitted = []
+    threads = [threading.Thread(target=lambda n=n: submitted.append(
+        scheduler.submit(_spec(cluster, n, 3), job_id=n)[0].job_id)) for n in ("job-a", "job-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = {j: _wait(lambda j=j: (r := scheduler.get(j)).terminal and r, 400, j)
+            for j in ("job-a", "job-b")}
+    for job in done.values():
+        assert job.phase == "SUCCEEDED", job.reason
+    pods_a = {p for ps in done["job-a"].workers.values() for p in ps}
+    pods_b = {p for ps in done["job-b"].workers.values() for p in ps}
+    assert len(pods_a) == len(pods_b) == 2 and not pods_a & pods_b
+    _wait(lambda: _all_idle(api), 60, "every pod released")
+
+    # A third job on pods the first two released, through an injected conflict on
+    # its first label patch: it re-reads, chooses again and starts.
+    api.fail("PATCH", path=r"/pods/rl-worker-", status=409, count=1)
+    scheduler.submit(_spec(cluster, "job-c", 2), job_id="job-c")
+    job = _wait(lambda: (r := scheduler.get("job-c")).terminal and r, 300, "job-c")
+    assert job.phase == "SUCCEEDED", job.reason
+    assert {p for ps in job.workers.values() for p in ps} <= pods_a | pods_b
+    _wait(lambda: _all_idle(api), 60, "job-c's pods released")
+
+
+def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
+    api = cluster["api"]
+    scheduler.submit(_spec(cluster, "long", 100_000), job_id="long")
+    _wait(lambda: scheduler.get("long").step >= 2, 300, "the job to train")
+    errors_before = sum(scheduler.backend.api_errors.values())
+    api.stall(30)
+    try:
+        time.sleep(30)
+        assert scheduler.get("long").phase == "RUNNING"
+    finally:
+        api.unstall()
+    step = scheduler.get("long").step
+    _wait(lambda: scheduler.get("long").step > step, 60, "training to go on")
+    assert sum(scheduler.backend.api_errors.values()) > errors_before  # timeouts fired
+    stopped = scheduler.stop("long")
+    assert stopped.phase == "STOPPED" and stopped.reason == "stopped by request"
+    _wait(lambda: _all_idle(api), 90, "the pods released")
+
+
+def test_a_pod_replaced_under_its_name_fails_its_job_with_a_clear_reason(cluster, scheduler):
+    api = cluster["api"]
+    scheduler.submit(_spec(cluster, "victim", 100_000), job_id="victim")
+    job = _wait(lambda: (r := scheduler.get("victim")).step >= 1 and r, 300, "the job to train")
+    name = job.workers["rollout"][0]
+    old_uid = api.get("pods", NAMESPACE, name)["metadata"]["uid"]
+    ip = api.get("pods", NAMESPACE, name)["status"]["podIP"]
+    # The StatefulSet controller's move: same name, same IP, restart count 0.
+    api.delete("pods", NAMESPACE, name)
+    api.create(worker_pod(name, ip=ip, namespace=NAMESPACE))
+    assert api.get("pods", NAMESPACE, name)["metadata"]["uid"] != old_uid
+    job = _wait(lambda: (r := scheduler.get("victim")).terminal and r, 60, "the job to fail")
+    assert job.phase == "FAILED" and name in job.reason
+    assert "new UID" in job.reason or "deleted" in job.reason
+    # The replacement pod carries no job; its worker was stopped and is offered again.
+    _wait(lambda: _all_idle(api), 90, "the pods released")
+    free = scheduler.backend.free_workers()
+    assert len([p for p in free if scheduler.backend._worker_idle(p)]) == NUM_WORKERS
+
+
+def _serve_scheduler(cluster, tmp_path, name: str, port: int, kubeconfig: Path):
+    env = {**os.environ, "REDIS_URL": cluster["redis"], "REFLOW_BACKEND": "kubernetes",
+           "KUBECONFIG": str(kubeconfig), "REFLOW_NAMESPACE": NAMESPACE,
+           "REFLOW_POD_NAME": name, "REFLOW_WORKER_SELECTOR": SELECTOR,
+           "REFLOW_WORKER_PORT": str(cluster["port"]), "REFLOW_REPLAY_ADDRESS": cluster["replay"],
+           "REFLOW_MAX_ROLLOUT_WORKERS": "1", "REFLOW_KUBE_TIMEOUT_S": "2",
+           "REFLOW_KUBE_RESYNC_S": "5", "REFLOW_LEASE_DURATION_S": "6",
+           "REFLOW_LEASE_RENEW_DEADLINE_S": "4", "REFLOW_LEASE_RETRY_S": "1",
+           "REFLOW_RUNS_DIR": str(tmp_path), "REFLOW_MODELS_DIR": str(Path(cluster["model"]).parent)}
+    return subprocess.Popen([sys.executable, "-m", "reflow.cli", "serve", "scheduler", "--port",
+                             str(port)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def _healthy(port: int, timeout_s: float) -> bool:
+    try:
+        rpc.wait_healthy(f"127.0.0.1:{port}", timeout_s)
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_two_schedulers_one_acts_and_the_standby_takes_over_a_killed_leader(cluster, pods,
+                                                                            redis_client,
+                                                                            tmp_path):
+    from reflow.scheduler.client import GrpcSchedulerClient
+
+    api = cluster["api"]
+    kubeconfig = tmp_path / "kubeconfig"
+    api.write_kubeconfig(kubeconfig)
+    ports = {"sched-a": procs.free_port(), "sched-b": procs.free_port()}
+    first = _serve_scheduler(cluster, tmp_path, "sched-a", ports["sched-a"], kubeconfig)
+    assert _healthy(ports["sched-a"], 60)
+    second = _serve_scheduler(cluster, tmp_path, "sched-b", ports["sched-b"], kubeconfig)
+    try:
+        # The standby waits for the lease before it serves anything: exactly one acts.
+        assert not _healthy(ports["sched-b"], 8)
+        lease = api.get("leases", NAMESPACE, "reflow-scheduler")
+        assert lease["spec"]["holderIdentity"] == "sched-a"
+        leader = GrpcSchedulerClient(f"127.0.0.1:{ports['sched-a']}")
+        leader.submit(_spec(cluster, "failover", 100_000), job_id="failover")
+        _wait(lambda: leader.get("failover").step >= 1, 300, "the job to train")
+        claimed = {i: _pod_labels(api, f"rl-worker-{i}").get(JOB_LABEL)
+                   for i in range(NUM_WORKERS)}
+        assert sorted(filter(None, claimed.values())) == ["failover", "failover"]
+
+        killed_at = time.monotonic()
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        # The standby takes over within the lease period (plus its retry and start-up).
+        assert _healthy(ports["sched-b"], 6 + 1 + 30)
+        took_over_s = time.monotonic() - killed_at
+        lease = api.get("leases", NAMESPACE, "reflow-scheduler")
+        assert lease["spec"]["holderIdentity"] == "sched-b"
+        assert lease["spec"]["leaseTransitions"] >= 1
+        standby = GrpcSchedulerClient(f"127.0.0.1:{ports['sched-b']}")
+        job = standby.get("failover")
+        assert job.phase == "FAILED" and "scheduler restarted" in job.reason
+        # Its pods were stopped and given back once, never claimed by two jobs.
+        _wait(lambda: _all_idle(api), 120, "the orphaned pods reclaimed")
+        standby.submit(_spec(cluster, "after", 2), job_id="after")
+        after = _wait(lambda: (r := standby.get("after")).phase in ("SUCCEEDED", "FAILED") and r,
+                      300, "a job under the new leader")
+        assert after.phase == "SUCCEEDED", (after.reason, took_over_s)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()

@@ -89,8 +89,7 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         models_root = os.environ.get(MODELS_ROOT_ENV) or str(Path(spec.model.path).parent)
         env = {"REDIS_URL": redis.url, RUNS_ROOT_ENV: str(run_dir.parent),
                MODELS_ROOT_ENV: models_root}
-        sched_port, api_port = procs.free_port(), procs.free_port()
-        sched_metrics, api_metrics = procs.free_port(), procs.free_port()
+        sched_port, api_port, sched_metrics, api_metrics = procs.free_ports(4)
         record_endpoints(run_dir, {
             "scheduler": {"grpc": f"127.0.0.1:{sched_port}", "metrics": f"127.0.0.1:{sched_metrics}"},
             "api": {"http": f"127.0.0.1:{api_port}", "metrics": f"127.0.0.1:{api_metrics}"},

@@ -59,9 +59,21 @@ def apply_cpu_affinity() -> int | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports. All sockets stay bound until every port is
+    chosen: asking one at a time can return the same port twice, and two services
+    of one job then fight over it (seen as 'Address already in use')."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 PARENT_PID_ENV = "REFLOW_PARENT_PID"

@@ -89,7 +89,7 @@ def replay(redis_server, redis_client):
 @pytest.fixture
 def rollout(replay, tiny_model):
     engine = HeldEngine()
-    service = RolloutService(engine_factory=lambda spec: lambda: engine)
+    service = RolloutService(engine_factory=lambda spec, seed: lambda: engine)
     server, port = serve_rollout(service, "127.0.0.1:0")
     channel = rpc.channel(f"127.0.0.1:{port}")
     yield rollout_pb2_grpc.RolloutStub(channel), engine, server, channel

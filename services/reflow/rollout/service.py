@@ -20,7 +20,14 @@ from reflow.rollout.worker import RolloutCounters, RolloutWorker
 logger = logging.getLogger(__name__)
 
 
-def _vllm_factory(spec: JobSpec):
+def worker_seed(spec: JobSpec, weight_sync_rank: int) -> int:
+    """The seed of rollout worker `rank` (1, 2, ...): its own prompt stream and
+    sampling seed, so two workers never generate the same groups. Worker 1 uses
+    the job's seed itself."""
+    return (spec.seed + 1_000_003 * (weight_sync_rank - 1)) % (2**31 - 1)
+
+
+def _vllm_factory(spec: JobSpec, seed: int | None = None):
     def build():
         from reflow.rollout.vllm_engine import VllmEngine
 
@@ -28,7 +35,7 @@ def _vllm_factory(spec: JobSpec):
             spec.model.path,
             dtype=spec.model.dtype,
             kv_cache_gb=spec.rollout.kv_cache_gb,
-            seed=spec.seed,
+            seed=spec.seed if seed is None else seed,
         )
 
     return build
@@ -41,6 +48,8 @@ MAX_GROUP_SIZE = 4096
 class RolloutService:
     def __init__(self, replay_client_factory=GrpcReplayClient, engine_factory=None,
                  roots: PathRoots | None = None) -> None:
+        """`engine_factory(spec, seed)` returns a builder of the job's engine (vLLM by
+        default); `roots` bound every path a StartJob names (from the environment)."""
         self._replay_client_factory = replay_client_factory
         self._engine_factory = engine_factory or _vllm_factory
         self.roots = roots or PathRoots.from_env()
@@ -80,13 +89,14 @@ class RolloutService:
             tokenizer = AutoTokenizer.from_pretrained(  # nosec B615 # local dir only
                 str(model_path), local_files_only=True)
             self._replay = self._replay_client_factory(replay_address)
+            seed = worker_seed(spec, weight_sync_rank)
             task = build_task(
-                spec.task.name, spec.task.max_count, spec.task.num_symbols, seed=spec.seed + 1
+                spec.task.name, spec.task.max_count, spec.task.num_symbols, seed=seed + 1
             )
             self.worker = RolloutWorker(
                 job_id,
                 spec,
-                self._engine_factory(spec),
+                self._engine_factory(spec, seed),
                 task,
                 self._replay,
                 encode=lambda text: tokenizer.encode(text, add_special_tokens=False),

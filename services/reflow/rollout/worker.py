@@ -290,10 +290,16 @@ class RolloutWorker:
 
     async def _run_group(self, prompt: Prompt) -> None:
         group_id = uuid.uuid4().hex[:16]
-        prompt_ids = self.encode(prompt.text)
+        group_size = self.spec.rollout.group_size
+        try:
+            prompt_ids = self.encode(prompt.text)
+        except Exception as err:  # noqa: BLE001 - no sample started: give every slot back
+            self._free_slots(group_size)
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            return
         try:
             samples = await asyncio.gather(
-                *(self._run_sample(f"{group_id}-{i}", prompt_ids) for i in range(self.spec.rollout.group_size))
+                *(self._run_sample(f"{group_id}-{i}", prompt_ids) for i in range(group_size))
             )
             trajectories = self._score(group_id, prompt, prompt_ids, samples)
             await asyncio.to_thread(self.replay.put, self.job_id, trajectories)
@@ -302,23 +308,29 @@ class RolloutWorker:
         except Exception as err:  # noqa: BLE001
             logger.exception("job %s: group %s failed", self.job_id, group_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
-        finally:
-            self.counters.inflight_samples -= self.spec.rollout.group_size
-            if self.counters.inflight_samples == 0:
-                self._idle_since = time.monotonic()
 
     async def _run_sample(self, request_id: str, prompt_ids: list[int]) -> _Sample:
+        """One sample; its concurrency slot is freed the moment it finishes, not when
+        the slowest sample of its group does (sample-level streaming, paper §4.1)."""
         sample = _Sample()
         sampling = SamplingSpec(
             max_tokens=self.spec.rollout.max_tokens, temperature=self.spec.rollout.temperature
         )
-        async for delta in self.engine.generate(request_id, prompt_ids, sampling):
-            sample.extend(delta.token_ids, delta.logprobs, self.counters.policy_version)
-            self.counters.generated_tokens_total += len(delta.token_ids)
-            if delta.finished:
-                sample.finish_reason = delta.finish_reason or "stop"
-        self.counters.finished_samples_total += 1
-        return sample
+        try:
+            async for delta in self.engine.generate(request_id, prompt_ids, sampling):
+                sample.extend(delta.token_ids, delta.logprobs, self.counters.policy_version)
+                self.counters.generated_tokens_total += len(delta.token_ids)
+                if delta.finished:
+                    sample.finish_reason = delta.finish_reason or "stop"
+            self.counters.finished_samples_total += 1
+            return sample
+        finally:
+            self._free_slots(1)
+
+    def _free_slots(self, n: int) -> None:
+        self.counters.inflight_samples -= n
+        if self.counters.inflight_samples == 0:
+            self._idle_since = time.monotonic()
 
     def _score(
         self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[_Sample]

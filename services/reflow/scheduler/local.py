@@ -91,13 +91,15 @@ class LocalBackend:
     def place(self, job_id: str, run_dir: Path) -> Placement:
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        ports = {name: procs.free_port() for name in ("replay", "rollout", "trainer")}
+        names = ("replay", "rollout", "trainer")
+        allocated = procs.free_ports(2 * len(names))
+        ports = dict(zip(names, allocated))
         placement = Placement(
             replay_address=f"127.0.0.1:{ports['replay']}",
             rollout_addresses=[f"127.0.0.1:{ports['rollout']}"],
             trainer_address=f"127.0.0.1:{ports['trainer']}",
         )
-        metrics_ports = {name: procs.free_port() for name in ports}
+        metrics_ports = dict(zip(names, allocated[len(names):]))
         record_endpoints(run_dir, {
             name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
             for name, port in ports.items()

@@ -168,6 +168,9 @@ class TrainLoop:
     def run(self) -> None:
         start = time.monotonic()
         rollout_idle_before = self._rollout_idle_total()
+        # A step's time runs from the previous step's end to this one's, so the work
+        # between steps (metrics, stats calls) counts against throughput too.
+        previous_end = time.monotonic()
         while self.step < self.spec.trainer.num_steps:
             if self._stop.is_set():
                 raise JobStopped()
@@ -185,7 +188,8 @@ class TrainLoop:
             sync_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
                 sync_s = self._publish()
-            step_s = time.monotonic() - step_start
+            step_end = time.monotonic()
+            step_s, previous_end = step_end - previous_end, step_end
             rollout_idle_now = self._rollout_idle_total()
             record = self._metrics(batch, stats, wait_s, sync_s, step_s,
                                    rollout_idle_now - rollout_idle_before, time.monotonic() - start)

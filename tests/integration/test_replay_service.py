@@ -134,3 +134,22 @@ def test_prometheus_metrics_follow_the_buffer(redis_server, redis_client):
     assert 'reflow_replay_sample_staleness_versions_count{job_id="job"} 4.0' in text
     assert 'reflow_replay_put_samples_total{job_id="job"} 8.0' in text
     assert 'reflow_replay_evicted_samples_total{job_id="job"} 0.0' in text
+
+
+def test_a_renewed_lease_outlives_its_ttl_and_a_lapsed_one_gives_its_samples_back(buffer):
+    client, _ = buffer
+    client.put("job", make_group("g1"))
+    batch = client.sample("job", batch_size=4, lease_ttl_s=1.0, timeout_s=1)
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:  # a long training step, renewing every 1/3 TTL
+        assert client.renew_lease("job", batch.lease_id, 1.0)
+        time.sleep(0.3)
+    assert client.stats("job").outstanding_leases == 1
+    assert client.sample("job", batch_size=4, lease_ttl_s=1.0, timeout_s=0.1) is None
+    time.sleep(1.3)  # no more renewals: the lease lapses and its samples return
+    again = client.sample("job", batch_size=4, lease_ttl_s=30, timeout_s=1)
+    assert again is not None and {t.sample_id for t in again.trajectories} == \
+        {t.sample_id for t in batch.trajectories}
+    assert not client.renew_lease("job", batch.lease_id, 1.0)  # gone: nothing to renew
+    assert client.release("job", again.lease_id) == 4
+    assert not client.renew_lease("job", again.lease_id, 30)

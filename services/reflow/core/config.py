@@ -170,7 +170,8 @@ class ReplayConfig(_Section):
         default=300.0,
         gt=0.0,
         le=86_400.0,
-        description="A sampled batch stays leased this long; unreleased samples then return.",
+        description="A sampled batch stays leased this long past its last renewal (the "
+        "trainer renews every third of it while it trains); unreleased samples then return.",
     )
 
     @model_validator(mode="after")

@@ -30,6 +30,9 @@ class ReplayClient(abc.ABC):
                 sample_stats: dict[str, dict[str, float]] | None = None) -> int: ...
 
     @abc.abstractmethod
+    def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool: ...
+
+    @abc.abstractmethod
     def publish_version(self, job_id: str, policy_version: int) -> None: ...
 
     @abc.abstractmethod
@@ -56,6 +59,9 @@ class InprocReplayClient(ReplayClient):
     def release(self, job_id: str, lease_id: str,
                 sample_stats: dict[str, dict[str, float]] | None = None) -> int:
         return self.store.release(job_id, lease_id, sample_stats)
+
+    def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool:
+        return self.store.renew_lease(job_id, lease_id, lease_ttl_s)
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         self.store.publish_version(job_id, policy_version)
@@ -141,6 +147,13 @@ class GrpcReplayClient(ReplayClient):
                  for sid, values in (sample_stats or {}).items()]
         req = replay_pb2.ReleaseRequest(job_id=job_id, lease_id=lease_id, stats=stats)
         return self._call("Release", req, self.deadline_s).released
+
+    def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.RenewLeaseRequest(job_id=job_id, lease_id=lease_id,
+                                           lease_ttl_s=lease_ttl_s)
+        return self._call("RenewLease", req, self.deadline_s).renewed
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         from reflow.v1 import replay_pb2

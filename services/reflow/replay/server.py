@@ -80,6 +80,13 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
 
+    def RenewLease(self, request, context):
+        try:
+            return replay_pb2.RenewLeaseReply(renewed=self.store.renew_lease(
+                request.job_id, request.lease_id, request.lease_ttl_s))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
     def PublishVersion(self, request, context):
         try:
             self.store.publish_version(request.job_id, request.policy_version)

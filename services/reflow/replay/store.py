@@ -202,6 +202,16 @@ class ReplayStore:
             self.publish_version(job_id, self.version(job_id))
         return returned
 
+    def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool:
+        """Push a lease's deadline to now + lease_ttl_s, while the trainer still works on
+        its batch. False when the lease is gone (released, or expired and returned)."""
+        if not 0 < lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ValueError(f"lease_ttl_s: {lease_ttl_s} is out of range (0, {MAX_LEASE_TTL_S:.0f}]")
+        # XX: only an existing lease; one command, so atomic against expiry and release.
+        changed = self.redis.zadd(self._key(job_id, "leases"),
+                                  {lease_id: time.time() + lease_ttl_s}, xx=True, ch=True)
+        return bool(changed)
+
     def return_lease(self, job_id: str, lease_id: str) -> int:
         """Give a lease's samples back at once, as if it had expired (used when the
         batch could not be delivered)."""

@@ -12,6 +12,7 @@ clients; it never sees gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -178,8 +179,10 @@ class TrainLoop:
             # 1. Wait for a batch; the wait is the trainer's idle time.
             batch = self._lease_batch()
             wait_s = time.monotonic() - step_start
-            # 2. Optimise.
-            stats, sample_stats = self._train_step(batch)
+            # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
+            #    must not see its samples handed back and trained again as fresh.
+            with self._lease_kept(batch):
+                stats, sample_stats = self._train_step(batch)
             # 3. Release: the samples are trained; the buffer's replay filter sees
             #    each one's training stats and decides whether it comes back.
             self.replay.release(self.job_id, batch.lease_id, sample_stats)
@@ -213,6 +216,29 @@ class TrainLoop:
                 return batch
             self._check_rollouts()
         raise JobStopped()
+
+    @contextlib.contextmanager
+    def _lease_kept(self, batch: Batch):
+        """Renew `batch`'s lease every third of its TTL until the block ends."""
+        ttl = self.spec.replay.lease_ttl_s
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(ttl / 3):
+                try:
+                    if not self.replay.renew_lease(self.job_id, batch.lease_id, ttl):
+                        logger.warning("job %s: lease %s is gone; its samples went back",
+                                       self.job_id, batch.lease_id)
+                        return
+                except Exception as err:  # noqa: BLE001 - the next tick tries again
+                    logger.warning("job %s: lease renewal failed: %s", self.job_id, err)
+
+        keeper = threading.Thread(target=renew, name="lease-renew", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _check_rollouts(self) -> None:
         for client in self.rollouts:

@@ -82,6 +82,22 @@ class ReleaseReply(_message.Message):
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("job_id", "lease_id", "lease_ttl_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_id: str
+    lease_ttl_s: float
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseReply(_message.Message):
+    __slots__ = ("renewed",)
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    renewed: bool
+    def __init__(self, renewed: _Optional[bool] = ...) -> None: ...
+
 class PublishVersionRequest(_message.Message):
     __slots__ = ("job_id", "policy_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

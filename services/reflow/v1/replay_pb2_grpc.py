@@ -56,6 +56,11 @@ class ReplayBufferStub:
                 request_serializer=reflow_dot_v1_dot_replay__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_replay__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/reflow.v1.ReplayBuffer/RenewLease',
+                request_serializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.FromString,
+                _registered_method=True)
         self.PublishVersion = channel.unary_unary(
                 '/reflow.v1.ReplayBuffer/PublishVersion',
                 request_serializer=reflow_dot_v1_dot_replay__pb2.PublishVersionRequest.SerializeToString,
@@ -100,6 +105,13 @@ class ReplayBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extend a lease while its batch is still being trained.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PublishVersion(self, request, context):
         """The trainer published a new policy version.
         """
@@ -135,6 +147,11 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=reflow_dot_v1_dot_replay__pb2.ReleaseRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_replay__pb2.ReleaseReply.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.SerializeToString,
             ),
             'PublishVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishVersion,
@@ -256,6 +273,33 @@ class ReplayBuffer:
             '/reflow.v1.ReplayBuffer/Release',
             reflow_dot_v1_dot_replay__pb2.ReleaseRequest.SerializeToString,
             reflow_dot_v1_dot_replay__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.ReplayBuffer/RenewLease',
+            reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.SerializeToString,
+            reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -238,3 +238,20 @@ def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, wo
     assert store.get("was-running").phase == "FAILED"
     assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-0", "rl-worker-1"]
     assert _labels(core, "rl-worker-1")[ROLE_LABEL] == "idle"
+
+
+def test_pods_left_labelled_by_a_claim_cut_short_go_to_that_jobs_next_try(kube, worker_port,
+                                                                          tmp_path):
+    api_client, api = kube
+    leftover = {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "worker",
+                ROLE_LABEL: "trainer", JOB_LABEL: "job-x"}
+    api.create(worker_pod("rl-worker-0", labels=leftover))
+    api.create(worker_pod("rl-worker-1"))
+    api.create(worker_pod("rl-worker-2", labels={**leftover, JOB_LABEL: "job-y"}))
+    backend = _backend(api_client, worker_port)
+    assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-1"]
+    placement = backend.place("job-x", tmp_path)
+    assert placement.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
+    # Another job's pod is never taken.
+    assert api.get("pods", "ml", "rl-worker-2")["metadata"]["labels"][JOB_LABEL] == "job-y"
+    backend.close()

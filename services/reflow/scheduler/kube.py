@@ -197,8 +197,10 @@ class KubernetesBackend:
     def prepare(self, spec) -> None:
         """Workers build a model preset on their own volume when a job starts."""
 
-    def free_workers(self) -> list:
-        """Ready worker pods of this release that carry no job, by name (a fresh list)."""
+    def free_workers(self, job_id: str | None = None) -> list:
+        """Ready worker pods of this release that carry no job, by name (a fresh list).
+        With `job_id`, pods already labelled with that job count as free for it: what
+        a claim cut short (by an API outage) left behind goes to the job's next try."""
         s = self.settings
         pods = self.call(self.core.list_namespaced_pod, s.namespace,
                          label_selector=s.worker_selector).items
@@ -206,7 +208,7 @@ class KubernetesBackend:
         return sorted(
             (p for p in pods
              if all((p.metadata.labels or {}).get(k) == v for k, v in self.selector.items())
-             and not (p.metadata.labels or {}).get(JOB_LABEL) and _ready(p)),
+             and (p.metadata.labels or {}).get(JOB_LABEL) in (None, "", job_id) and _ready(p)),
             key=lambda p: p.metadata.name,
         )
 
@@ -233,7 +235,7 @@ class KubernetesBackend:
     def _choose_and_claim(self, job_id: str) -> KubePlacement:
         s = self.settings
         for attempt in range(s.claim_attempts):
-            free = [p for p in self.free_workers() if self._worker_idle(p)]
+            free = [p for p in self.free_workers(job_id) if self._worker_idle(p)]
             if len(free) < 2:
                 raise NoCapacity(
                     f"job {job_id} needs 2 ready, idle, unassigned worker pods "

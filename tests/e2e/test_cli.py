@@ -126,7 +126,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model, target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("fully_async", 1),
+@pytest.mark.parametrize("mode,bound", [("sync", 0), ("one_step_off", 1), ("fully_async", None),
                                         ("reflow", 1)])
 def test_each_mode_keeps_its_staleness_guarantee(tmp_path, tiny_model, mode, bound):
     out = tmp_path / mode
@@ -137,7 +137,11 @@ def test_each_mode_keeps_its_staleness_guarantee(tmp_path, tiny_model, mode, bou
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6
-    assert max(r["max_staleness"] for r in records) <= bound
+    if bound is not None:
+        assert max(r["max_staleness"] for r in records) <= bound
+    if mode in ("one_step_off", "fully_async"):
+        # As their authors run them: throttled, never evicting a finished sample.
+        assert records[-1]["evicted_samples_total"] == 0
     if mode != "reflow":
         assert all(r["replay_samples"] == 0 for r in records)
     if mode == "sync":

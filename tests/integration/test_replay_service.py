@@ -153,3 +153,20 @@ def test_a_renewed_lease_outlives_its_ttl_and_a_lapsed_one_gives_its_samples_bac
     assert not client.renew_lease("job", batch.lease_id, 1.0)  # gone: nothing to renew
     assert client.release("job", again.lease_id) == 4
     assert not client.renew_lease("job", again.lease_id, 30)
+
+
+def test_dispatch_grants_and_lease_return_over_grpc(buffer):
+    """One dispatch budget per job, in whole groups; a lease given back untrained
+    returns its samples without counting them as trained."""
+    client, _ = buffer
+    assert client.acquire_dispatch("disp", 10, 4, 8, 8) == 8  # whole groups, within 8
+    assert client.acquire_dispatch("disp", 8, 4, 8, 8) == 0  # outstanding is at its bound
+    client.put("disp", make_group("d1") + make_group("d2"))
+    batch = client.sample("disp", batch_size=8, lease_ttl_s=30, timeout_s=1)
+    assert client.return_lease("disp", batch.lease_id) == 8
+    stats = client.stats("disp")
+    assert (stats.dispatched_total, stats.unused_samples, stats.trained_total) == (8, 8, 0)
+    with pytest.raises(grpc.RpcError) as err:
+        client.acquire_dispatch("disp", 8, 0, 8, 8)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "group_size" in err.value.details()

@@ -119,7 +119,7 @@ class FullBackend:
     def prepare(self, spec):
         pass
 
-    def place(self, job_id, run_dir):
+    def place(self, job_id, run_dir, colocated=False):
         if not self.free.is_set():
             raise NoCapacity("job needs 2 free workers and 0 are free")
         self.placed.append(job_id)

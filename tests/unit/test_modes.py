@@ -29,17 +29,56 @@ def test_a_mode_rejects_a_conflicting_field_instead_of_overriding_it():
     assert spec(mode="fully_async", replay={"max_staleness": 3}).dispatch_ahead_versions == 3
 
 
-def test_dispatch_budget_is_b_max_per_step_ahead_of_the_trainer():
+def test_baselines_are_run_as_their_authors_run_them():
+    sync, off, fully, reflow = (spec(mode=m) for m in
+                                ("sync", "one_step_off", "fully_async", "reflow"))
+    # verl's hybrid-engine trainer: colocated, on-policy, whole samples.
+    assert sync.colocated and not sync.rollout.partial_rollout
+    # verl one_step_off_policy: whole batches under one version, nothing dropped.
+    assert not off.rollout.partial_rollout and not off.replay.evict_stale
+    assert not off.colocated
+    # verl fully_async_policy / AReaL: partial rollout, in order, throttled, no eviction.
+    assert fully.rollout.partial_rollout and not fully.replay.evict_stale
+    assert fully.replay.sampler == "fifo"
+    # ReFlow: the paper's settings (σ = τ = 0.5, δ = 1, B_max = b), eviction on.
+    assert (reflow.replay.replay_cap, reflow.replay.replay_weight, reflow.replay.max_staleness,
+            reflow.samples_per_step) == (0.5, 0.5, 1, reflow.trainer.batch_size)
+    assert reflow.replay.evict_stale and reflow.rollout.partial_rollout
+    assert reflow.replay.staleness_version == "oldest"
+    with pytest.raises(JobSpecError, match="mode=one_step_off fixes rollout.partial_rollout"):
+        spec(mode="one_step_off", rollout={"group_size": 4, "partial_rollout": True})
+
+
+def test_dispatch_limits_are_b_max_per_step_ahead_of_the_trainer():
     def worker(s):
         return RolloutWorker("j", s, lambda: None, RepeatTask(), replay=None,
                              encode=lambda t: [], decode=lambda ids: "")
 
     sync = worker(spec(mode="sync"))
-    assert sync.dispatch_budget() == 16  # one batch, then wait for the trainer
+    assert sync.dispatch_limits() == (16, 16)  # one batch, then wait for the trainer
     sync.counters.policy_version = 3
-    assert sync.dispatch_budget() == 64
+    assert sync.dispatch_limits() == (16, 64)
     off = worker(spec(mode="one_step_off"))
-    assert off.dispatch_budget() == 32  # one batch ahead
+    assert off.dispatch_limits() == (32, 32)  # one batch ahead
     custom = worker(spec(mode="reflow", rollout={"group_size": 4, "max_samples_per_step": 8},
                          trainer={"batch_size": 16, "sync_interval": 2}, replay={"max_staleness": 2}))
-    assert custom.dispatch_budget() == 8 * 2 * 3
+    assert custom.dispatch_limits() == (8 * 2 * 3, 8 * 2 * 3)
+
+
+def test_sync_is_colocated_and_the_others_get_their_own_cores(monkeypatch):
+    """Locally, sync gives rollout and trainer every core (they take turns, as verl's
+    hybrid engine); the asynchronous modes split the cores between them."""
+    import os
+
+    from reflow.scheduler.local import LocalBackend
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("REFLOW_PIN_CPUS", raising=False)
+    backend = LocalBackend("redis://unused")
+    split = {s: backend._cpu_env(s) for s in ("rollout", "trainer")}
+    assert split["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1"
+    assert split["trainer"]["REFLOW_CPU_AFFINITY"] == "2,3"
+    together = {s: backend._cpu_env(s, colocated=True) for s in ("rollout", "trainer")}
+    assert together["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
+    assert together["rollout"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
+    assert together["trainer"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"

@@ -38,6 +38,9 @@ class Puts:
         self.groups.append(trajectories)
         return len(trajectories)
 
+    def acquire_dispatch(self, job_id, want, group_size, outstanding_limit, version_limit):
+        return want  # slots, not the budget, are under test here
+
 
 def test_a_finished_sample_frees_its_slot_before_its_group_ends():
     spec = parse_job_spec({"model": {"path": "/m"}, "mode": "fully_async",

@@ -1,30 +1,54 @@
-"""The four modes side by side: sync, one_step_off, fully_async, reflow.
+"""The four modes side by side, on two workloads, several runs each.
 
-    python bench/modes.py --out bench/out/modes [--config examples/quickstart.yaml]
-    reflow bench modes --out bench/out/modes
+    reflow bench modes --out bench/out/modes [--runs 3] [--workloads balanced,rollout_bound]
+    python bench/modes.py --out bench/out/modes
 
-Runs the same job (same seed, model, task and number of trained samples) in
-every mode, one after another on this machine, each through `reflow run` with
-all services as separate processes. Writes DIR/results.json shaped
-{mode: {trainer_tokens_per_s, wall_time_s, trainer_idle_ratio,
-rollout_idle_ratio, final_reward, time_to_target_reward_s, ...}}, prints a
-table with a per-stage breakdown of the trainer's step time, and plots reward
-against wall-clock time for the four modes (DIR/reward_vs_time.png).
+Runs the same job (same seed, model, task and number of trained samples) as
+every entry: the baselines sync, one_step_off and fully_async as their authors
+run them (see MODE_PRESETS in reflow.core.config), reflow with the paper's
+settings, and reflow_newest (the same with `replay.staleness_version=newest`,
+the choice the paper leaves open). Each entry runs through `reflow run` with all
+services as separate processes.
 
-Throughput is trained tokens over step time, summed over the steps after
-`--warmup` (the paper's definition, §7.2). Ratios between modes are the
-figures to read: they are measured in one invocation on one machine.
+Two workloads, both always reported:
+- `balanced`: examples/bench_modes.yaml as written;
+- `rollout_bound`: the paper's regime, where generation is most of a sync step
+  (a longer Zipf tail of response lengths). The table prints the measured share.
+
+Runs are interleaved (round 1 runs every entry once, then round 2, ...), so a
+slow minute on this shared machine hits every entry alike, and ratios against
+sync are taken within a round. Writes DIR/results.json:
+{workload: {"generation_share_of_sync_step": {...}, "entries": {entry: {"runs": [...],
+"median": {...}, "min": {...}, "max": {...}}}}}, and prints, per workload, the
+median and min-max of throughput, its ratio to sync, trainer idle, rollout
+utilisation, replay fraction and final reward (at the same number of trained
+samples in every entry).
+
+Throughput is trained tokens over the wall time between consecutive step ends,
+summed over the steps after `--warmup` (the paper's definition, §7.2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess  # nosec B404 # runs reflow.cli under sys.executable from argv lists
 import sys
 from pathlib import Path
 
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
+# entry -> (mode, extra overrides)
+ENTRIES: dict[str, tuple[str, list[str]]] = {
+    **{m: (m, []) for m in MODES},
+    "reflow_newest": ("reflow", ["replay.staleness_version=newest"]),
+}
+# workload -> overrides on the config. rollout_bound: counts up to 320 on a Zipf tail
+# and room for 256 tokens, so generation of a batch is dominated by its stragglers.
+WORKLOADS: dict[str, list[str]] = {
+    "balanced": ["trainer.num_steps=60"],
+    "rollout_bound": ["task.max_count=320", "rollout.max_tokens=256", "trainer.num_steps=30"],
+}
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -53,6 +77,10 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "wall_time_s": records[-1]["wall_time_s"],
         "trainer_idle_ratio": wait_s / step_s,
         "rollout_idle_ratio": sum(r["rollout_idle_ratio"] * r["step_time_s"] for r in measured) / step_s,
+        "rollout_utilisation": sum(r.get("rollout_utilisation", 0.0) * r["step_time_s"]
+                                   for r in measured) / step_s,
+        "trained_samples": sum(r["fresh_samples"] + r["stale_samples"] + r["replay_samples"]
+                               for r in records),
         "final_reward": sum(r["reward_mean"] for r in records[-window:]) / min(window, len(records)),
         "time_to_target_reward_s": reached,
         "replay_fraction": sum(r.get("replay_fraction", 0.0) for r in measured) / n,
@@ -67,22 +95,40 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
     }
 
 
-def run_mode(mode: str, config: str, out: Path, overrides: list[str]) -> list[dict]:
-    run_dir = out / mode
+def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
+              overrides: list[str]) -> list[dict]:
+    mode, extra = ENTRIES[entry]
+    run_dir = out / workload / f"{entry}-{run}"
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
     cmd = [sys.executable, "-m", "reflow.cli", "run", config, "--out", str(run_dir), f"mode={mode}",
-           *overrides]
-    print(f"== {mode}: {' '.join(cmd[3:])}", flush=True)
-    with open(out / f"{mode}.log", "w") as log:
+           *WORKLOADS[workload], *extra, *overrides]
+    print(f"== {workload} {entry} run {run}: {' '.join(cmd[3:])}", flush=True)
+    log_path = out / workload / f"{entry}-{run}.log"
+    with open(log_path, "w") as log:
         # argv: sys.executable -m reflow.cli run plus this script's own arguments.
         result = subprocess.run(  # nosec B603 # argv list, no shell
             cmd, stdout=log, stderr=subprocess.STDOUT)
     if result.returncode != 0:
-        raise SystemExit(f"{mode} failed (exit {result.returncode}); see {out / f'{mode}.log'}")
+        raise SystemExit(f"{workload} {entry} failed (exit {result.returncode}); see {log_path}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "trainer_idle_ratio", "rollout_utilisation",
+                 "replay_fraction", "final_reward", "max_staleness", "evicted_samples", "wall_time_s")
+
+
+def spread(runs: list[dict]) -> dict:
+    """Median, min and max of every numeric field over the runs."""
+    out: dict = {"median": {}, "min": {}, "max": {}}
+    for field in SPREAD_FIELDS:
+        values = [r[field] for r in runs if r.get(field) is not None]
+        if values:
+            out["median"][field] = statistics.median(values)
+            out["min"][field], out["max"][field] = min(values), max(values)
+    return out
 
 
 def plot(all_records: dict[str, list[dict]], path: Path) -> None:
@@ -92,9 +138,9 @@ def plot(all_records: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for mode, records in all_records.items():
+    for name, records in all_records.items():
         t = [r["wall_time_s"] for r in records]
-        ax.plot(t, moving_average([r["reward_mean"] for r in records], 10), label=mode)
+        ax.plot(t, moving_average([r["reward_mean"] for r in records], 10), label=name)
     ax.set_xlabel("wall-clock time (s)")
     ax.set_ylabel("reward (10-step moving mean)")
     ax.grid(alpha=0.3)
@@ -104,36 +150,77 @@ def plot(all_records: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def _cell(entry: dict, field: str, fmt: str) -> str:
+    if field not in entry["median"]:
+        return "-"
+    med, lo, hi = entry["median"][field], entry["min"][field], entry["max"][field]
+    return f"{med:{fmt}} [{lo:{fmt}}-{hi:{fmt}}]"
+
+
+def print_table(workload: str, result: dict) -> None:
+    share = result["generation_share_of_sync_step"]
+    print(f"\n{workload}: generation is {share['median']:.0%} of a sync step "
+          f"(min {share['min']:.0%}, max {share['max']:.0%}); median [min-max] of "
+          f"{len(next(iter(result['entries'].values()))['runs'])} runs")
+    columns = (("tok/s", "trainer_tokens_per_s", ".0f"), ("vs sync", "vs_sync", ".2f"),
+               ("idle T", "trainer_idle_ratio", ".2f"), ("util R", "rollout_utilisation", ".2f"),
+               ("replay", "replay_fraction", ".2f"), ("reward", "final_reward", ".3f"),
+               ("stale", "max_staleness", ".0f"), ("evicted", "evicted_samples", ".0f"))
+    print(f"{'entry':<14}" + "".join(f"{name:>22}" for name, _, _ in columns))
+    for entry, summary in result["entries"].items():
+        print(f"{entry:<14}" + "".join(f"{_cell(summary, field, fmt):>22}"
+                                       for _, field, fmt in columns))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--config", default=str(REPO / "examples" / "bench_modes.yaml"))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--entries", default=",".join(ENTRIES),
+                        help=f"comma-separated, of {', '.join(ENTRIES)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    parser.add_argument("--runs", type=int, default=3, help="runs of every entry (interleaved)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of throughput")
     parser.add_argument("--target-reward", type=float, default=0.3)
     parser.add_argument("overrides", nargs="*", metavar="section.field=value",
-                        help="applied to every mode (e.g. trainer.num_steps=100)")
+                        help="applied to every entry (e.g. trainer.num_steps=100)")
     args = parser.parse_args(argv)
     out = Path(args.out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    modes = [m for m in args.modes.split(",") if m]
-    all_records = {m: run_mode(m, args.config, out, args.overrides) for m in modes}
-    results = {m: summarize_mode(r, args.warmup, args.target_reward) for m, r in all_records.items()}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(all_records, out / "reward_vs_time.png")
-
-    base = results.get("sync", {}).get("trainer_tokens_per_s")
-    print(f"\n{'mode':<13}{'tok/s':>8}{'vs sync':>8}{'wall s':>8}{'idle T':>8}{'idle R':>8}"
-          f"{'reward':>8}{'t→target':>9}{'replay':>8}{'wait/st':>8}{'train/st':>9}{'sync/st':>8}")
-    for m, r in results.items():
-        ratio = f"{r['trainer_tokens_per_s'] / base:.2f}x" if base else "-"
-        ttt = f"{r['time_to_target_reward_s']:.0f}" if r["time_to_target_reward_s"] is not None else "-"
-        b = r["breakdown_s"]
-        print(f"{m:<13}{r['trainer_tokens_per_s']:>8.0f}{ratio:>8}{r['wall_time_s']:>8.0f}"
-              f"{r['trainer_idle_ratio']:>8.2f}{r['rollout_idle_ratio']:>8.2f}{r['final_reward']:>8.3f}"
-              f"{ttt:>9}{r['replay_fraction']:>8.2f}{b['wait_for_batch']:>8.2f}{b['train']:>9.2f}"
-              f"{b['weight_sync']:>8.3f}")
-    print(f"\nresults: {out / 'results.json'}  plot: {out / 'reward_vs_time.png'}")
+    entries = [e for e in args.entries.split(",") if e]
+    workloads = [w for w in args.workloads.split(",") if w]
+    for name, known in (("entries", ENTRIES), ("workloads", WORKLOADS)):
+        unknown = set(entries if name == "entries" else workloads) - set(known)
+        if unknown:
+            raise SystemExit(f"--{name}: unknown {sorted(unknown)}; choose from {list(known)}")
+    if "sync" not in entries:
+        raise SystemExit("--entries must include sync: every ratio is taken against it")
+    results: dict = {}
+    for workload in workloads:
+        (out / workload).mkdir(parents=True, exist_ok=True)
+        runs: dict[str, list[dict]] = {e: [] for e in entries}
+        last_records: dict[str, list[dict]] = {}
+        for run in range(1, args.runs + 1):
+            for entry in entries:
+                records = run_entry(entry, workload, run, args.config, out, args.overrides)
+                runs[entry].append(summarize_mode(records, args.warmup, args.target_reward))
+                last_records[entry] = records
+            base = runs["sync"][-1]["trainer_tokens_per_s"]
+            for entry in entries:
+                runs[entry][-1]["vs_sync"] = runs[entry][-1]["trainer_tokens_per_s"] / base
+        # In sync the trainer waits exactly while a batch is generated.
+        shares = [r["breakdown_s"]["wait_for_batch"]
+                  / sum(r["breakdown_s"].values()) for r in runs["sync"]]
+        results[workload] = {
+            "generation_share_of_sync_step": {"median": statistics.median(shares),
+                                              "min": min(shares), "max": max(shares)},
+            "entries": {e: {"runs": runs[e], **spread(runs[e])} for e in entries},
+        }
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        plot(last_records, out / workload / "reward_vs_time.png")
+    for workload, result in results.items():
+        print_table(workload, result)
+    print(f"\nresults: {out / 'results.json'}")
     return 0
 
 

@@ -94,6 +94,14 @@ class RolloutConfig(_Section):
         default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
     )
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
+    partial_rollout: bool = Field(
+        default=True,
+        description="On a weight update, in-flight samples pause at a token boundary and go "
+        "on under the new version (paper §4.1 step 4; verl fully_async "
+        "`async_training.partial_rollout`). False: the update waits until every sample in "
+        "flight has finished, so each sample is generated under one version (verl "
+        "one_step_off).",
+    )
 
 
 class TrainerConfig(_Section):
@@ -141,8 +149,24 @@ class ReplayConfig(_Section):
         default=1,
         ge=0,
         le=1_000_000,
-        description="δ: when version v is published, samples whose oldest segment is older "
-        "than v - δ leave the buffer.",
+        description="δ: how many versions rollout may run ahead of the trainer (dispatch is "
+        "throttled to B_max per step for the current version plus δ more), and, with "
+        "`evict_stale`, when version v is published the samples older than v - δ leave "
+        "the buffer.",
+    )
+    evict_stale: bool = Field(
+        default=True,
+        description="Whether publishing a version evicts samples past δ (paper §4.2). False: "
+        "δ only throttles dispatch and finished samples are never dropped, as verl's "
+        "fully_async trainer (`async_training.staleness_threshold`) and AReaL "
+        "(`max_head_offpolicyness`) bound staleness.",
+    )
+    staleness_version: Literal["oldest", "newest"] = Field(
+        default="oldest",
+        description="Which version a partially rolled-out sample (segments generated under "
+        "several versions) counts as for δ: `oldest` segment (its true lag, conservative) or "
+        "`newest` (the version that finished it, as AReaL counts a sample's version). The "
+        "paper leaves this open; `reflow bench modes` measures both.",
     )
     sampler: str = Field(
         default="uniform",
@@ -188,20 +212,29 @@ class ReplayConfig(_Section):
 
 Mode = Literal["sync", "one_step_off", "fully_async", "reflow"]
 
-# What each mode fixes (paper §7.2 baselines, all on ReFlow's own code paths).
-# A field a mode fixes may be left out of the spec; set to anything else, it is
-# rejected rather than silently overridden.
+# What each mode fixes: the paper's baselines (§7.2) as their authors run them,
+# on ReFlow's own code paths. A field a mode fixes may be left out of the spec;
+# set to anything else, it is rejected rather than silently overridden.
 MODE_PRESETS: dict[str, dict[tuple[str, str], Any]] = {
-    # Generate a batch with the current weights, train, sync: staleness 0, the
-    # rollout idles while the trainer works (verl's synchronous trainer).
+    # verl's synchronous PPO trainer with its hybrid engine: generate a whole batch
+    # with the current weights, train on it, sync. Staleness 0. Colocated: the
+    # local backend gives rollout and trainer every core (see JobSpec.colocated).
     "sync": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 0,
-             ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo"},
-    # Rollout of step k+1 overlaps training of step k: staleness 1, no replay.
+             ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
+             ("rollout", "partial_rollout"): False},
+    # verl's one_step_off_policy recipe: batch k+1 is generated whole under the
+    # weights of step k while step k trains; the weight update waits for that
+    # generation (no partial rollout); consumed in order, nothing dropped.
     "one_step_off": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 1,
-                     ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo"},
-    # Streaming + partial rollout + staleness bound δ, no replay.
-    "fully_async": {("replay", "replay_cap"): 0.0},
-    # fully_async + replay (σ, τ, δ).
+                     ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
+                     ("rollout", "partial_rollout"): False, ("replay", "evict_stale"): False},
+    # verl's fully_async_policy recipe (and AReaL): streaming with partial rollout,
+    # a queue consumed in arrival order, staleness bounded by throttling dispatch
+    # (δ plays `async_training.staleness_threshold`, in whole versions), nothing
+    # finished is evicted. No replay.
+    "fully_async": {("replay", "replay_cap"): 0.0, ("replay", "sampler"): "fifo",
+                    ("rollout", "partial_rollout"): True, ("replay", "evict_stale"): False},
+    # fully_async + replay (σ, τ, δ with eviction), the paper's settings by default.
     "reflow": {},
 }
 
@@ -240,6 +273,12 @@ class JobSpec(_Section):
     def samples_per_step(self) -> int:
         """B_max (paper §4.1 step 1)."""
         return self.rollout.max_samples_per_step or self.trainer.batch_size
+
+    @property
+    def colocated(self) -> bool:
+        """Rollout and trainer take turns on the same devices (sync mode, as verl's
+        hybrid engine), instead of each holding its own."""
+        return self.mode == "sync"
 
     @property
     def dispatch_ahead_versions(self) -> int:

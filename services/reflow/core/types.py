@@ -60,6 +60,16 @@ class Trajectory:
         """Policy version of the oldest generated segment; staleness is measured from it."""
         return min((s.policy_version for s in self.segments if s.num_tokens), default=0)
 
+    @property
+    def newest_version(self) -> int:
+        """Policy version of the newest generated segment (the one that finished it)."""
+        return max((s.policy_version for s in self.segments if s.num_tokens), default=0)
+
+    def staleness_version(self, reference: str) -> int:
+        """The version δ is measured from: `oldest` or `newest` segment
+        (ReplayConfig.staleness_version)."""
+        return self.newest_version if reference == "newest" else self.oldest_version
+
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """GRPO advantage: each reward minus the group mean, over the group std.

@@ -33,6 +33,13 @@ class ReplayClient(abc.ABC):
     def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool: ...
 
     @abc.abstractmethod
+    def return_lease(self, job_id: str, lease_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
+                         version_limit: int) -> int: ...
+
+    @abc.abstractmethod
     def publish_version(self, job_id: str, policy_version: int) -> None: ...
 
     @abc.abstractmethod
@@ -62,6 +69,14 @@ class InprocReplayClient(ReplayClient):
 
     def renew_lease(self, job_id: str, lease_id: str, lease_ttl_s: float) -> bool:
         return self.store.renew_lease(job_id, lease_id, lease_ttl_s)
+
+    def return_lease(self, job_id: str, lease_id: str) -> int:
+        return self.store.return_lease(job_id, lease_id)
+
+    def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
+                         version_limit: int) -> int:
+        return self.store.acquire_dispatch(job_id, want, group_size, outstanding_limit,
+                                           version_limit)
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         self.store.publish_version(job_id, policy_version)
@@ -154,6 +169,23 @@ class GrpcReplayClient(ReplayClient):
         req = replay_pb2.RenewLeaseRequest(job_id=job_id, lease_id=lease_id,
                                            lease_ttl_s=lease_ttl_s)
         return self._call("RenewLease", req, self.deadline_s).renewed
+
+    def return_lease(self, job_id: str, lease_id: str) -> int:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.ReturnLeaseRequest(job_id=job_id, lease_id=lease_id)
+        return self._call("ReturnLease", req, self.deadline_s).returned
+
+    def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
+                         version_limit: int) -> int:
+        # A grant whose reply is lost stays counted: the budget then errs toward
+        # dispatching less, never more.
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.AcquireDispatchRequest(
+            job_id=job_id, want=want, group_size=group_size,
+            outstanding_limit=outstanding_limit, version_limit=version_limit)
+        return self._call("AcquireDispatch", req, self.deadline_s).granted
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
         from reflow.v1 import replay_pb2

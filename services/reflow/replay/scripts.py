@@ -203,3 +203,25 @@ end
 bump(KEYS[8], 'evicted_total', evicted)
 return evicted
 """
+
+# KEYS: stats
+# ARGV: want, group_size, outstanding_limit, version_limit
+# Grants up to `want` samples of dispatch, in whole groups (paper §4.1 step 1), under
+# two bounds, both refunded by evictions of samples never trained on:
+#   outstanding = dispatched - trained_unused - evicted_unused <= outstanding_limit
+#   dispatched - evicted_unused <= version_limit (B_max per step up to the caller's
+#   policy version plus its look-ahead)
+# Returns the samples granted (0 when neither bound leaves a whole group).
+DISPATCH = """
+local function get(f) return tonumber(redis.call('HGET', KEYS[1], f) or '0') end
+local dispatched = get('dispatched_total')
+local evicted = get('evicted_unused_total')
+local outstanding = dispatched - get('trained_unused_total') - evicted
+local room = math.min(tonumber(ARGV[1]), tonumber(ARGV[3]) - outstanding,
+                      tonumber(ARGV[4]) - (dispatched - evicted))
+local group = tonumber(ARGV[2])
+room = math.floor(room / group) * group
+if room <= 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], 'dispatched_total', room)
+return room
+"""

@@ -87,6 +87,21 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
 
+    def ReturnLease(self, request, context):
+        try:
+            return replay_pb2.ReturnLeaseReply(returned=self.store.return_lease(
+                request.job_id, request.lease_id))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
+    def AcquireDispatch(self, request, context):
+        try:
+            return replay_pb2.AcquireDispatchReply(granted=self.store.acquire_dispatch(
+                request.job_id, request.want, request.group_size, request.outstanding_limit,
+                request.version_limit))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
     def PublishVersion(self, request, context):
         try:
             self.store.publish_version(request.job_id, request.policy_version)

@@ -67,6 +67,15 @@ _CLAIM_RETRIES = 5
 # The JobSpec's own bounds on trainer.batch_size and replay.lease_ttl_s.
 MAX_BATCH_SIZE = 65536
 MAX_LEASE_TTL_S = 86_400.0
+# The eviction window when ReplayConfig.evict_stale is off: no version is that old.
+NO_EVICTION = 10**15
+MAX_DISPATCH = 1 << 40
+
+
+def staleness_window(config: ReplayConfig) -> int:
+    """How many versions behind the latest a pooled sample may be (δ), or no bound
+    when eviction is off (δ then only throttles dispatch)."""
+    return config.max_staleness if config.evict_stale else NO_EVICTION
 
 
 @dataclass
@@ -76,6 +85,8 @@ class BufferStats:
     leased_samples: int = 0
     policy_version: int = 0
     put_total: int = 0
+    # Samples rollout was granted to generate (see ReplayStore.acquire_dispatch).
+    dispatched_total: int = 0
     trained_total: int = 0
     trained_unused_total: int = 0
     # Samples that left for staleness (δ); of those, the ones never trained on
@@ -129,6 +140,7 @@ class ReplayStore:
         self._release = client.register_script(scripts.RELEASE)
         self._expire = client.register_script(scripts.EXPIRE)
         self._publish = client.register_script(scripts.PUBLISH)
+        self._dispatch = client.register_script(scripts.DISPATCH)
         # Per job: the stored config's bytes, and the config and plug-ins built from
         # them, rebuilt only when the stored config changes.
         self._configs: dict[str, tuple[bytes, ReplayConfig, Sampler, ReplayFilter]] = {}
@@ -174,18 +186,21 @@ class ReplayStore:
             if "," in t.sample_id or "," in t.group_id or "|" in t.group_id:
                 raise ValueError("sample_id and group_id must not contain ',' or '|'")
             groups.setdefault(t.group_id, []).append(t)
-        delta = self.config(job_id).max_staleness
+        config = self.config(job_id)
+        delta = staleness_window(config)
         keys = self._keys(job_id, "samples", "members", "meta", "seq", "unused", "by_version",
                           "stats", "version", "sample_meta")
         pipe = self.redis.pipeline(transaction=False)
         for group_id, members in groups.items():
-            oldest = min(t.oldest_version for t in members)
+            # The group's version for δ: its oldest member's, by the configured reference.
+            oldest = min(t.staleness_version(config.staleness_version) for t in members)
             meta = _meta(len(members), sum(t.reward for t in members) / len(members), oldest, 0,
                          sum(t.num_tokens for t in members), min(t.created_at for t in members))
             args: list[str | bytes | int] = [group_id, meta, oldest, delta, len(members)]
             for t in members:
                 args += [t.sample_id, trajectory_to_bytes(t),
-                         f"{t.reward!r}|{t.advantage!r}|{t.num_tokens}|{t.oldest_version}"]
+                         f"{t.reward!r}|{t.advantage!r}|{t.num_tokens}|"
+                         f"{t.staleness_version(config.staleness_version)}"]
             self._put(keys=keys, args=args, client=pipe)
         return sum(int(n) for n in pipe.execute())
 
@@ -258,7 +273,7 @@ class ReplayStore:
         min_unused = math.ceil(batch_size * (1.0 - config.replay_cap) - 1e-9)
         for _ in range(_CLAIM_RETRIES):
             version = self.version(job_id)
-            min_version = version - config.max_staleness
+            min_version = version - staleness_window(config)
             stats = self.stats(job_id)
             if stats.unused_samples < min_unused:
                 return None
@@ -325,7 +340,7 @@ class ReplayStore:
         sample_stats = sample_stats or {}
         # With σ = 0 nothing can ever be replayed: trained samples simply leave.
         retire = config.replay_cap == 0.0
-        args: list[str | int] = [lease_id, config.max_staleness, int(retire)]
+        args: list[str | int] = [lease_id, staleness_window(config), int(retire)]
         for gid, meta, m in zip(group_ids if not retire else [], metas, members):
             if meta is None or m is None:
                 continue
@@ -351,6 +366,27 @@ class ReplayStore:
         released = int(self._release(keys=keys, args=args))
         return max(released, 0)
 
+    # --- dispatch accounting -----------------------------------------------------------
+
+    def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
+                         version_limit: int) -> int:
+        """Grant rollout up to `want` samples to dispatch, in whole groups of `group_size`,
+        counted against the job's one budget shared by all its rollout workers (paper
+        §4.1 step 1). Outstanding samples (dispatched, not yet trained or evicted) stay
+        within `outstanding_limit`; dispatched samples, less those evicted unused, within
+        `version_limit` (B_max per step up to the caller's version plus its look-ahead).
+        Evicted samples refund both; an expired lease's samples return to the pool and
+        stay outstanding until trained or evicted. Returns the samples granted."""
+        for name, value, low in (("want", want, 0), ("group_size", group_size, 1),
+                                 ("outstanding_limit", outstanding_limit, 0),
+                                 ("version_limit", version_limit, 0)):
+            if not low <= value <= MAX_DISPATCH:
+                raise ValueError(f"{name}: {value} is out of range [{low}, {MAX_DISPATCH}]")
+        if want < group_size:
+            return 0
+        return int(self._dispatch(keys=[self._key(job_id, "stats")],
+                                  args=[want, group_size, outstanding_limit, version_limit]))
+
     # --- versions and stats ----------------------------------------------------------
 
     def publish_version(self, job_id: str, policy_version: int) -> int:
@@ -360,7 +396,8 @@ class ReplayStore:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         keys = self._keys(job_id, "samples", "members", "meta", "seq", "unused", "replay",
                           "by_version", "stats", "version", "sample_meta")
-        evicted = int(self._publish(keys=keys, args=[policy_version, self.config(job_id).max_staleness]))
+        evicted = int(self._publish(keys=keys, args=[policy_version,
+                                                     staleness_window(self.config(job_id))]))
         if evicted:
             logger.info("job %s: version %d evicted %d stale samples", job_id, policy_version, evicted)
         return evicted

@@ -16,6 +16,7 @@ class RolloutStats:
     policy_version: int
     state: str
     error: str
+    occupancy_seconds_total: float = 0.0
 
 
 class GrpcRolloutClient:
@@ -75,7 +76,7 @@ class GrpcRolloutClient:
         m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
         return RolloutStats(
             m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
-            m.inflight_samples, m.policy_version, m.state, m.error,
+            m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,
         )
 
     def close(self) -> None:

@@ -28,6 +28,9 @@ class RolloutCollector:
              worker.idle_seconds()),
             (GaugeMetricFamily, "reflow_rollout_inflight_samples", "Samples generating now.",
              c.inflight_samples),
+            (CounterMetricFamily, "reflow_rollout_engine_occupancy_seconds",
+             "Engine batch occupancy (running requests / concurrency cap) integrated over time; "
+             "its rate is the utilisation.", c.occupancy_seconds_total),
             (GaugeMetricFamily, "reflow_rollout_policy_version", "Policy version loaded.",
              c.policy_version),
         ):

@@ -71,6 +71,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             policy_version=counters.policy_version,
             state=state,
             error=error,
+            occupancy_seconds_total=counters.occupancy_seconds_total,
         )
 
 

@@ -4,10 +4,12 @@ steps 1-2).
 
 The worker owns an asyncio loop on its own thread. Its hot loop admits GRPO
 groups while fewer than `max_inflight_samples` samples are in flight and the
-per-step dispatch budget (B_max per training step, see `dispatch_budget`)
-allows; each sample streams from the engine, and when a group's last sample
-finishes the group is scored, given group-normalised advantages and put. The worker knows nothing of training steps; it learns of
-new policy versions only through `update_weights`.
+job's dispatch budget allows (B_max per training step, one budget for all the
+job's rollout workers, kept by the replay buffer: see `dispatch_limits`); each
+sample streams from the engine, and when a group's last sample finishes the
+group is scored, given group-normalised advantages and put. The worker knows
+nothing of training steps; it learns of new policy versions only through
+`update_weights`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
 from reflow.rollout.tasks import Prompt, Task
 
 logger = logging.getLogger(__name__)
+
+# How often the loop asks the buffer for dispatch budget when it has none (backing
+# off to the maximum while none comes, back to the minimum on a grant or a new
+# policy version), and how often the engine's batch occupancy is sampled.
+DISPATCH_POLL_S, DISPATCH_POLL_MAX_S = 0.01, 0.04
+OCCUPANCY_TICK_S = 0.02
 
 
 @dataclass
@@ -58,6 +66,8 @@ class RolloutCounters:
     inflight_samples: int = 0
     dispatched_samples: int = 0
     policy_version: int = 0
+    # Engine batch occupancy integrated over time (see _measure_occupancy).
+    occupancy_seconds_total: float = 0.0
 
 
 class RolloutWorker:
@@ -92,6 +102,9 @@ class RolloutWorker:
         self._paused = False
         self._idle_since: float | None = time.monotonic()
         self._group_tasks: set[asyncio.Task] = set()
+        # Set on the worker loop when a slot frees or a version loads: admission
+        # looks again at once.
+        self._wake = asyncio.Event()
         self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
         # Weight-sync state machine: none -> initialising -> ready; one update at a
         # time, versions strictly in order (see update_weights).
@@ -125,6 +138,9 @@ class RolloutWorker:
             return
         self.state = "running"
         self.ready.set()
+        # Both cancelled with the groups by stop().
+        self._group_tasks.add(asyncio.current_task())
+        self._group_tasks.add(asyncio.create_task(self._measure_occupancy()))
         await self._generate_forever()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -225,6 +241,11 @@ class RolloutWorker:
         # new version.
         t0 = time.perf_counter()
         self._paused = True
+        if not self.spec.rollout.partial_rollout:
+            # Whole samples under one version (verl one_step_off): admit nothing more
+            # and let what is in flight finish under the old weights first.
+            while self.counters.inflight_samples > 0 and not self._stopping:
+                await asyncio.sleep(OCCUPANCY_TICK_S / 4)
         await self.engine.pause()
         # Let the output handler hand over tokens generated before the pause.
         await asyncio.sleep(0)
@@ -238,6 +259,7 @@ class RolloutWorker:
         self.counters.policy_version = policy_version
         await self.engine.resume()
         self._paused = False
+        self._wake.set()
         logger.info(
             "job %s: policy version %d loaded (pause %.3fs, receive %.3fs)",
             self.job_id, policy_version, t1 - t0, receive_s,
@@ -256,37 +278,87 @@ class RolloutWorker:
         extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
         return self.counters.idle_seconds_total + extra
 
-    def dispatch_budget(self) -> int:
-        """Samples that may have been dispatched by now (paper §4.1 step 1): B_max per
-        training step, for the steps up to the current policy version plus the
-        mode's look-ahead (0 in sync, 1 in one_step_off, δ in the async modes)."""
-        steps = (self.counters.policy_version + 1 + self.spec.dispatch_ahead_versions)
-        return self.spec.samples_per_step * self.spec.trainer.sync_interval * steps
+    def dispatch_limits(self) -> tuple[int, int]:
+        """The job's dispatch bounds for this worker's policy version (paper §4.1 step 1),
+        as the replay buffer applies them (see ReplayStore.acquire_dispatch):
+        - outstanding (dispatched, not yet trained or evicted) at most B_max per step
+          for 1 + look-ahead versions' worth of steps;
+        - dispatched less evicted at most B_max per step for the steps up to this
+          version plus the look-ahead (0 in sync, 1 in one_step_off, δ in the
+          asynchronous modes). This one keeps sync on-policy: nothing starts
+          between the trainer's release and the new weights arriving here.
+        Evictions refund both, so a job can never starve itself of a batch."""
+        per_version = self.spec.samples_per_step * self.spec.trainer.sync_interval
+        ahead = self.spec.dispatch_ahead_versions
+        return (per_version * (1 + ahead),
+                per_version * (self.counters.policy_version + 1 + ahead))
 
     async def _generate_forever(self) -> None:
         prompts = self.task.prompts()
         group_size = self.spec.rollout.group_size
         concurrency = self.spec.rollout.max_inflight_samples
+        granted = 0  # granted by the buffer, not yet started (a pause came between)
+        poll_s = DISPATCH_POLL_S
         try:
             while not self._stopping:
-                # Admit one GRPO group when (a) the worker's concurrency cap leaves
-                # room and (b) the per-step dispatch budget does: the budget is what
+                # Admit whole GRPO groups while (a) the worker's concurrency cap leaves
+                # room and (b) the job's dispatch budget does: the budget is what
                 # bounds how far rollout runs ahead of training.
-                room = self.counters.inflight_samples + group_size <= concurrency
-                budget = self.counters.dispatched_samples + group_size <= self.dispatch_budget()
-                if room and budget and not self._paused:
-                    prompt = next(prompts)
-                    self.counters.inflight_samples += group_size
-                    self.counters.dispatched_samples += group_size
-                    self._mark_busy()
-                    task = asyncio.create_task(self._run_group(prompt))
-                    self._group_tasks.add(task)
-                    task.add_done_callback(self._group_tasks.discard)
+                room = (concurrency - self.counters.inflight_samples) // group_size * group_size
+                refused = False
+                if room and not self._paused and granted < room:
+                    outstanding_limit, version_limit = self.dispatch_limits()
+                    got = await asyncio.to_thread(
+                        self.replay.acquire_dispatch, self.job_id, room - granted, group_size,
+                        outstanding_limit, version_limit)
+                    granted, refused = granted + got, got == 0
+                if granted >= group_size and room and not self._paused:
+                    for _ in range(min(granted, room) // group_size):
+                        self._admit(next(prompts))
+                        granted -= group_size
+                    poll_s = DISPATCH_POLL_S
                     continue
-                await asyncio.sleep(0.005)
+                # Back off only while the budget refuses; a freed slot or a new
+                # version wakes the loop at once.
+                if not refused:
+                    poll_s = DISPATCH_POLL_S
+                try:
+                    await asyncio.wait_for(self._wake.wait(), poll_s)
+                    poll_s = DISPATCH_POLL_S
+                except TimeoutError:
+                    if refused:
+                        poll_s = min(2 * poll_s, DISPATCH_POLL_MAX_S)
+                self._wake.clear()
         except Exception as err:  # noqa: BLE001 - reported through GetStats
             logger.exception("rollout loop failed")
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+
+    def _admit(self, prompt: Prompt) -> None:
+        group_size = self.spec.rollout.group_size
+        self.counters.inflight_samples += group_size
+        self.counters.dispatched_samples += group_size
+        self._mark_busy()
+        task = asyncio.create_task(self._run_group(prompt))
+        self._group_tasks.add(task)
+        task.add_done_callback(self._group_tasks.discard)
+
+    async def _measure_occupancy(self) -> None:
+        """Integrate the engine's batch occupancy: requests it is running (its own
+        scheduler's count where it reports one) over the concurrency cap. Samples
+        that wait in our queue or in a paused engine do not count as busy."""
+        cap = self.spec.rollout.max_inflight_samples
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(OCCUPANCY_TICK_S)
+            now = time.monotonic()
+            load = getattr(self.engine, "load", None)
+            running = self.counters.inflight_samples
+            if load is not None:
+                running = min(running, load.running_requests)
+            if self._paused:
+                running = 0
+            self.counters.occupancy_seconds_total += (now - last) * min(1.0, running / cap)
+            last = now
 
     async def _run_group(self, prompt: Prompt) -> None:
         group_id = uuid.uuid4().hex[:16]
@@ -329,6 +401,7 @@ class RolloutWorker:
 
     def _free_slots(self, n: int) -> None:
         self.counters.inflight_samples -= n
+        self._wake.set()
         if self.counters.inflight_samples == 0:
             self._idle_since = time.monotonic()
 
@@ -358,6 +431,7 @@ class RolloutWorker:
     async def _cancel_all(self) -> None:
         for task in list(self._group_tasks):
             task.cancel()
+        self._group_tasks.discard(asyncio.current_task())
         await asyncio.gather(*self._group_tasks, return_exceptions=True)
         # The engine's output handler lives on this loop: shut it down while the
         # loop still runs.

@@ -212,8 +212,9 @@ class KubernetesBackend:
             key=lambda p: p.metadata.name,
         )
 
-    def place(self, job_id: str, run_dir: Path) -> KubePlacement:
-        """Claim free, idle workers for `job_id`. A claim that loses a race (409) is
+    def place(self, job_id: str, run_dir: Path, colocated: bool = False) -> KubePlacement:
+        """Claim free, idle workers for `job_id`. `colocated` (sync mode) is not honoured
+        here yet: every role gets its own pod until workers switch roles in place. A claim that loses a race (409) is
         undone and the choice made again from a fresh list; after `claim_attempts`
         lost races, or with too few free workers, NoCapacity: the job waits PENDING."""
         s = self.settings

@@ -66,18 +66,24 @@ class LocalBackend:
         self.redis_url = redis_url
         self.health_timeout_s = health_timeout_s
 
-    def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path):
+    def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path,
+               colocated: bool = False):
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
         env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
-               **self._cpu_env(service)}
+               **self._cpu_env(service, colocated)}
         return procs.spawn(args, str(log_dir / f"{service}.log"), env=env)
 
-    def _cpu_env(self, service: str) -> dict[str, str]:
+    def _cpu_env(self, service: str, colocated: bool = False) -> dict[str, str]:
         """On one machine the rollout engine and the trainer get disjoint cores (what
-        separate GPUs are to a cluster). REFLOW_PIN_CPUS=0 turns this off."""
+        separate GPUs are to a cluster). A colocated job (sync mode, verl's hybrid
+        engine) gives both every core: they take turns, generation then training.
+        REFLOW_PIN_CPUS=0 turns pinning off."""
         if os.environ.get("REFLOW_PIN_CPUS", "1") == "0":
             return {}
-        rollout_cpus, trainer_cpus = procs.split_cpus(sorted(os.sched_getaffinity(0)))
+        cpus = sorted(os.sched_getaffinity(0))
+        rollout_cpus, trainer_cpus = procs.split_cpus(cpus)
+        if colocated:
+            rollout_cpus = trainer_cpus = cpus
         if service == "rollout":
             # The whole rollout process (vLLM's front end and engine core inherit it),
             # not just the engine's OpenMP threads: its Python work would otherwise
@@ -88,7 +94,7 @@ class LocalBackend:
             return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus)}
         return {}
 
-    def place(self, job_id: str, run_dir: Path) -> Placement:
+    def place(self, job_id: str, run_dir: Path, colocated: bool = False) -> Placement:
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         names = ("replay", "rollout", "trainer")
@@ -106,7 +112,8 @@ class LocalBackend:
         })
         try:
             for name, port in ports.items():
-                placement.processes[name] = self._serve(name, port, metrics_ports[name], log_dir)
+                placement.processes[name] = self._serve(name, port, metrics_ports[name], log_dir,
+                                                      colocated)
             for name, port in ports.items():
                 rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
         except Exception:

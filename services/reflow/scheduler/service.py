@@ -191,7 +191,9 @@ class Scheduler:
         backend has no room; None when the job is stopped before it gets any."""
         while True:
             try:
-                return self.backend.place(record.job_id, run_dir)
+                return self.backend.place(
+                    record.job_id, run_dir,
+                    colocated=JobSpec.model_validate_json(record.spec_json).colocated)
             except NoCapacity as err:
                 if record.reason != str(err):
                     record.reason = str(err)

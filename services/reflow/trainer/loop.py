@@ -168,7 +168,7 @@ class TrainLoop:
 
     def run(self) -> None:
         start = time.monotonic()
-        rollout_idle_before = self._rollout_idle_total()
+        rollout_before = self._rollout_totals()
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
         previous_end = time.monotonic()
@@ -179,13 +179,19 @@ class TrainLoop:
             # 1. Wait for a batch; the wait is the trainer's idle time.
             batch = self._lease_batch()
             wait_s = time.monotonic() - step_start
-            # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
-            #    must not see its samples handed back and trained again as fresh.
-            with self._lease_kept(batch):
-                stats, sample_stats = self._train_step(batch)
-            # 3. Release: the samples are trained; the buffer's replay filter sees
-            #    each one's training stats and decides whether it comes back.
-            self.replay.release(self.job_id, batch.lease_id, sample_stats)
+            released = False
+            try:
+                # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
+                #    must not see its samples handed back and trained again as fresh.
+                with self._lease_kept(batch):
+                    stats, sample_stats = self._train_step(batch)
+                # 3. Release: the samples are trained; the buffer's replay filter sees
+                #    each one's training stats and decides whether it comes back.
+                self.replay.release(self.job_id, batch.lease_id, sample_stats)
+                released = True
+            finally:
+                if not released:
+                    self._give_back(batch)
             self.step += 1
             # 4. Publish a new policy version every sync_interval steps.
             sync_s = 0.0
@@ -193,11 +199,21 @@ class TrainLoop:
                 sync_s = self._publish()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
-            rollout_idle_now = self._rollout_idle_total()
+            rollout_now = self._rollout_totals()
             record = self._metrics(batch, stats, wait_s, sync_s, step_s,
-                                   rollout_idle_now - rollout_idle_before, time.monotonic() - start)
-            rollout_idle_before = rollout_idle_now
+                                   [now - before for now, before in zip(rollout_now, rollout_before)],
+                                   time.monotonic() - start)
+            rollout_before = rollout_now
             self._emit(record)
+
+    def _give_back(self, batch: Batch) -> None:
+        """A batch that will not be trained (the job stopped or the step failed)
+        goes back to the buffer at once instead of waiting out its lease."""
+        try:
+            self.replay.return_lease(self.job_id, batch.lease_id)
+        except Exception as err:  # noqa: BLE001 - the lease still expires on its own
+            logger.warning("job %s: could not return lease %s (%s); it expires in %.0fs",
+                           self.job_id, batch.lease_id, err, self.spec.replay.lease_ttl_s)
 
     def _lease_batch(self) -> Batch:
         deadline = time.monotonic() + self.spec.trainer.batch_timeout_s
@@ -291,15 +307,20 @@ class TrainLoop:
         self.replay.publish_version(self.job_id, version)
         return time.monotonic() - t0
 
-    def _rollout_idle_total(self) -> float:
-        return sum(c.stats(self.job_id).idle_seconds_total for c in self.rollouts)
+    def _rollout_totals(self) -> tuple[float, float]:
+        """Idle seconds and occupancy seconds, summed over the rollout workers."""
+        stats = [c.stats(self.job_id) for c in self.rollouts]
+        return (sum(s.idle_seconds_total for s in stats),
+                sum(s.occupancy_seconds_total for s in stats))
 
     def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, step_s: float,
-                 rollout_idle_s: float, wall_s: float) -> dict[str, Any]:
+                 rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
         loss_stats, grad_norm = stats
+        rollout_idle_s, occupancy_s = rollout_delta
         trajs = batch.trajectories
         trained_tokens = sum(t.num_tokens for t in trajs)
-        # Staleness against the version the batch was leased (and trained) under.
+        # Staleness against the version the batch was leased (and trained) under,
+        # from each sample's oldest segment: the policy lag the loss corrects for.
         staleness = [batch.policy_version - t.oldest_version for t in trajs]
         replayed = sum(1 for t in trajs if t.uses > 0)
         fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
@@ -317,6 +338,9 @@ class TrainLoop:
             "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
             "rollout_idle_ratio": min(1.0, rollout_idle_s / (step_s * num_workers)) if step_s > 0 else 0.0,
+            # The engines' measured batch occupancy over this step (running requests
+            # over the concurrency cap), averaged over the workers.
+            "rollout_utilisation": min(1.0, occupancy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
             "fresh_samples": fresh,
             "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed,
@@ -330,6 +354,8 @@ class TrainLoop:
             "replay_pool_samples": buffer.replay_samples,
             "evicted_samples_total": buffer.evicted_total,
             "evicted_unused_samples_total": buffer.evicted_unused_total,
+            "dispatched_samples_total": buffer.dispatched_total,
+            "trained_unused_samples_total": buffer.trained_unused_total,
             "filter_dropped_samples_total": buffer.dropped_total,
             "outstanding_leases": buffer.outstanding_leases,
             "loss": loss_stats.loss,

@@ -98,6 +98,40 @@ class RenewLeaseReply(_message.Message):
     renewed: bool
     def __init__(self, renewed: _Optional[bool] = ...) -> None: ...
 
+class ReturnLeaseRequest(_message.Message):
+    __slots__ = ("job_id", "lease_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    lease_id: str
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReturnLeaseReply(_message.Message):
+    __slots__ = ("returned",)
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    returned: int
+    def __init__(self, returned: _Optional[int] = ...) -> None: ...
+
+class AcquireDispatchRequest(_message.Message):
+    __slots__ = ("job_id", "want", "group_size", "outstanding_limit", "version_limit")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    want: int
+    group_size: int
+    outstanding_limit: int
+    version_limit: int
+    def __init__(self, job_id: _Optional[str] = ..., want: _Optional[int] = ..., group_size: _Optional[int] = ..., outstanding_limit: _Optional[int] = ..., version_limit: _Optional[int] = ...) -> None: ...
+
+class AcquireDispatchReply(_message.Message):
+    __slots__ = ("granted",)
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    def __init__(self, granted: _Optional[int] = ...) -> None: ...
+
 class PublishVersionRequest(_message.Message):
     __slots__ = ("job_id", "policy_version")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,7 +141,7 @@ class PublishVersionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases", "replay_samples", "trained_unused_total", "evicted_total", "dropped_total", "evicted_unused_total", "retired_total")
+    __slots__ = ("unused_samples", "leased_samples", "policy_version", "put_total", "trained_total", "expired_leases_total", "outstanding_leases", "replay_samples", "trained_unused_total", "evicted_total", "dropped_total", "evicted_unused_total", "retired_total", "dispatched_total")
     UNUSED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LEASED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +155,7 @@ class BufferStats(_message.Message):
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EVICTED_UNUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RETIRED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     unused_samples: int
     leased_samples: int
     policy_version: int
@@ -134,4 +169,5 @@ class BufferStats(_message.Message):
     dropped_total: int
     evicted_unused_total: int
     retired_total: int
-    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ..., replay_samples: _Optional[int] = ..., trained_unused_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., dropped_total: _Optional[int] = ..., evicted_unused_total: _Optional[int] = ..., retired_total: _Optional[int] = ...) -> None: ...
+    dispatched_total: int
+    def __init__(self, unused_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., put_total: _Optional[int] = ..., trained_total: _Optional[int] = ..., expired_leases_total: _Optional[int] = ..., outstanding_leases: _Optional[int] = ..., replay_samples: _Optional[int] = ..., trained_unused_total: _Optional[int] = ..., evicted_total: _Optional[int] = ..., dropped_total: _Optional[int] = ..., evicted_unused_total: _Optional[int] = ..., retired_total: _Optional[int] = ..., dispatched_total: _Optional[int] = ...) -> None: ...

@@ -61,6 +61,16 @@ class ReplayBufferStub:
                 request_serializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.FromString,
                 _registered_method=True)
+        self.ReturnLease = channel.unary_unary(
+                '/reflow.v1.ReplayBuffer/ReturnLease',
+                request_serializer=reflow_dot_v1_dot_replay__pb2.ReturnLeaseRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_replay__pb2.ReturnLeaseReply.FromString,
+                _registered_method=True)
+        self.AcquireDispatch = channel.unary_unary(
+                '/reflow.v1.ReplayBuffer/AcquireDispatch',
+                request_serializer=reflow_dot_v1_dot_replay__pb2.AcquireDispatchRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_replay__pb2.AcquireDispatchReply.FromString,
+                _registered_method=True)
         self.PublishVersion = channel.unary_unary(
                 '/reflow.v1.ReplayBuffer/PublishVersion',
                 request_serializer=reflow_dot_v1_dot_replay__pb2.PublishVersionRequest.SerializeToString,
@@ -112,6 +122,22 @@ class ReplayBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReturnLease(self, request, context):
+        """Give a lease's samples back untrained (the trainer stopped or failed before
+        it could train them); they return to the pools they came from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquireDispatch(self, request, context):
+        """Rollout asks for dispatch budget: samples it may start generating (paper §4.1
+        step 1), from the job's one budget shared by all its rollout workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PublishVersion(self, request, context):
         """The trainer published a new policy version.
         """
@@ -152,6 +178,16 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.SerializeToString,
+            ),
+            'ReturnLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReturnLease,
+                    request_deserializer=reflow_dot_v1_dot_replay__pb2.ReturnLeaseRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_replay__pb2.ReturnLeaseReply.SerializeToString,
+            ),
+            'AcquireDispatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireDispatch,
+                    request_deserializer=reflow_dot_v1_dot_replay__pb2.AcquireDispatchRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_replay__pb2.AcquireDispatchReply.SerializeToString,
             ),
             'PublishVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishVersion,
@@ -300,6 +336,60 @@ class ReplayBuffer:
             '/reflow.v1.ReplayBuffer/RenewLease',
             reflow_dot_v1_dot_replay__pb2.RenewLeaseRequest.SerializeToString,
             reflow_dot_v1_dot_replay__pb2.RenewLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReturnLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.ReplayBuffer/ReturnLease',
+            reflow_dot_v1_dot_replay__pb2.ReturnLeaseRequest.SerializeToString,
+            reflow_dot_v1_dot_replay__pb2.ReturnLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireDispatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.ReplayBuffer/AcquireDispatch',
+            reflow_dot_v1_dot_replay__pb2.AcquireDispatchRequest.SerializeToString,
+            reflow_dot_v1_dot_replay__pb2.AcquireDispatchReply.FromString,
             options,
             channel_credentials,
             insecure,

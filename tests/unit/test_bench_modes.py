@@ -32,5 +32,5 @@ def test_summary_and_spread_over_runs(capsys):
 
 def test_every_entry_is_a_mode_and_sync_is_among_them():
     assert set(modes.ENTRIES) >= set(modes.MODES)
-    assert all(mode in modes.MODES for mode, _ in modes.ENTRIES.values())
+    assert all(mode in modes.MODES for mode, _, _ in modes.ENTRIES.values())
     assert set(modes.WORKLOADS) == {"balanced", "rollout_bound"}

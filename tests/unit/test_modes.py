@@ -82,3 +82,6 @@ def test_sync_is_colocated_and_the_others_get_their_own_cores(monkeypatch):
     assert together["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
     assert together["rollout"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
     assert together["trainer"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
+    assert together["rollout"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("REFLOW_COLOCATE", "0")
+    assert backend._cpu_env("rollout", colocated=True) == backend._cpu_env("rollout")

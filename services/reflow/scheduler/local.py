@@ -76,22 +76,26 @@ class LocalBackend:
     def _cpu_env(self, service: str, colocated: bool = False) -> dict[str, str]:
         """On one machine the rollout engine and the trainer get disjoint cores (what
         separate GPUs are to a cluster). A colocated job (sync mode, verl's hybrid
-        engine) gives both every core: they take turns, generation then training.
+        engine) gives both every core: they take turns, generation then training, and
+        their OpenMP threads wait passively so the idle one releases its cores.
+        REFLOW_COLOCATE=0 splits a colocated job too (to measure it both ways);
         REFLOW_PIN_CPUS=0 turns pinning off."""
         if os.environ.get("REFLOW_PIN_CPUS", "1") == "0":
             return {}
         cpus = sorted(os.sched_getaffinity(0))
         rollout_cpus, trainer_cpus = procs.split_cpus(cpus)
-        if colocated:
+        extra: dict[str, str] = {}
+        if colocated and os.environ.get("REFLOW_COLOCATE", "1") != "0":
             rollout_cpus = trainer_cpus = cpus
+            extra = {"OMP_WAIT_POLICY": "PASSIVE"}
         if service == "rollout":
             # The whole rollout process (vLLM's front end and engine core inherit it),
             # not just the engine's OpenMP threads: its Python work would otherwise
             # land on the trainer's cores.
             return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(rollout_cpus),
-                    procs.CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus)}
+                    procs.CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus), **extra}
         if service == "trainer":
-            return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus)}
+            return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus), **extra}
         return {}
 
     def place(self, job_id: str, run_dir: Path, colocated: bool = False) -> Placement:

@@ -37,6 +37,7 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
         "step_time_s_mean": _mean([r["step_time_s"] for r in records]),
         "trainer_idle_ratio_mean": _mean([r["trainer_idle_ratio"] for r in records]),
         "rollout_idle_ratio_mean": _mean([r["rollout_idle_ratio"] for r in records]),
+        "rollout_utilisation_mean": _mean([r.get("rollout_utilisation", 0.0) for r in records]),
         "max_staleness": max(r["max_staleness"] for r in records),
     }
 

@@ -26,6 +26,10 @@ class TrainerMetrics:
         self.rollout_idle = Gauge("reflow_trainer_rollout_idle_ratio",
                                   "Share of the last step the rollout workers had nothing in flight.",
                                   ["job_id"], registry=r)
+        self.rollout_utilisation = Gauge(
+            "reflow_trainer_rollout_utilisation_ratio",
+            "Rollout engines' batch occupancy over the last step (running requests over the "
+            "concurrency cap), averaged over workers.", ["job_id"], registry=r)
         self.version = Gauge("reflow_trainer_policy_version", "Latest published policy version.",
                              ["job_id"], registry=r)
         self.sync_seconds = Histogram("reflow_trainer_weight_sync_seconds",
@@ -46,6 +50,7 @@ class TrainerMetrics:
         self.tokens_per_s.labels(job_id).set(record["trainer_tokens_per_s"])
         self.trainer_idle.labels(job_id).set(record["trainer_idle_ratio"])
         self.rollout_idle.labels(job_id).set(record["rollout_idle_ratio"])
+        self.rollout_utilisation.labels(job_id).set(record.get("rollout_utilisation", 0.0))
         self.version.labels(job_id).set(record["policy_version"])
         if record["weight_sync_s"]:
             self.sync_seconds.labels(job_id).observe(record["weight_sync_s"])

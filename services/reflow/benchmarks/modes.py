@@ -94,6 +94,8 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "replay_fraction": sum(r.get("replay_fraction", 0.0) for r in measured) / n,
         "max_staleness": max(r["max_staleness"] for r in records),
         "evicted_samples": records[-1].get("evicted_samples_total", 0),
+        # Evicted before any training: rollouts generated for nothing.
+        "wasted_samples": records[-1].get("evicted_unused_samples_total", 0),
         # Where a step's time goes, in seconds per step.
         "breakdown_s": {
             "wait_for_batch": wait_s / n,
@@ -125,7 +127,8 @@ def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
 
 
 SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "trainer_idle_ratio", "rollout_utilisation",
-                 "replay_fraction", "final_reward", "max_staleness", "evicted_samples", "wall_time_s")
+                 "replay_fraction", "final_reward", "max_staleness", "evicted_samples",
+                 "wasted_samples", "wall_time_s")
 
 
 def spread(runs: list[dict]) -> dict:
@@ -173,7 +176,7 @@ def print_table(workload: str, result: dict) -> None:
     columns = (("tok/s", "trainer_tokens_per_s", ".0f"), ("vs sync", "vs_sync", ".2f"),
                ("idle T", "trainer_idle_ratio", ".2f"), ("util R", "rollout_utilisation", ".2f"),
                ("replay", "replay_fraction", ".2f"), ("reward", "final_reward", ".3f"),
-               ("stale", "max_staleness", ".0f"), ("evicted", "evicted_samples", ".0f"))
+               ("stale", "max_staleness", ".0f"), ("wasted", "wasted_samples", ".0f"))
     print(f"{'entry':<14}" + "".join(f"{name:>22}" for name, _, _ in columns))
     for entry, summary in result["entries"].items():
         print(f"{entry:<14}" + "".join(f"{_cell(summary, field, fmt):>22}"
@@ -191,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of every entry (interleaved)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of throughput")
     parser.add_argument("--target-reward", type=float, default=0.3)
+    parser.add_argument("--from-runs", action="store_true",
+                        help="summarise the runs already in --out instead of running them")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value",
                         help="applied to every entry (e.g. trainer.num_steps=100)")
     args = parser.parse_args(argv)
@@ -210,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         last_records: dict[str, list[dict]] = {}
         for run in range(1, args.runs + 1):
             for entry in entries:
-                records = run_entry(entry, workload, run, args.config, out, args.overrides)
+                if args.from_runs:
+                    records = [json.loads(line) for line in (
+                        out / workload / f"{entry}-{run}" / "metrics.jsonl").read_text().splitlines()]
+                else:
+                    records = run_entry(entry, workload, run, args.config, out, args.overrides)
                 runs[entry].append(summarize_mode(records, args.warmup, args.target_reward))
                 last_records[entry] = records
             # Against the faster sync placement of this round.

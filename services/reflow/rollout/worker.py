@@ -64,7 +64,6 @@ class RolloutCounters:
     finished_samples_total: int = 0
     idle_seconds_total: float = 0.0
     inflight_samples: int = 0
-    dispatched_samples: int = 0
     policy_version: int = 0
     # Engine batch occupancy integrated over time (see _measure_occupancy).
     occupancy_seconds_total: float = 0.0
@@ -336,7 +335,6 @@ class RolloutWorker:
     def _admit(self, prompt: Prompt) -> None:
         group_size = self.spec.rollout.group_size
         self.counters.inflight_samples += group_size
-        self.counters.dispatched_samples += group_size
         self._mark_busy()
         task = asyncio.create_task(self._run_group(prompt))
         self._group_tasks.add(task)

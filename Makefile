@@ -9,7 +9,7 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup system-deps security-lint run test test-fast protos manifests bench clean
+.PHONY: setup system-deps security-lint run test test-fast protos manifests bench bench-trl-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,16 @@ protos: setup
 
 manifests: setup
 	$(PY) k8s/render.py
+
+# TRL's GRPOTrainer in its own environment, for `reflow bench modes --with-trl`.
+TRL_VENV := bench/.venv-trl
+$(TRL_VENV)/.installed: bench/requirements-trl.txt
+	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q -r bench/requirements-trl.txt
+	touch $@
+
+bench-trl-env: $(TRL_VENV)/.installed
 
 clean:
 	rm -rf runs .reflow .pytest_cache

@@ -1,5 +1,9 @@
 """The modes benchmark's summary: spread over runs, ratios within a round."""
 
+import json
+
+import pytest
+
 from reflow.benchmarks import modes
 
 
@@ -34,3 +38,43 @@ def test_every_entry_is_a_mode_and_sync_is_among_them():
     assert set(modes.ENTRIES) >= set(modes.MODES)
     assert all(mode in modes.MODES for mode, _, _ in modes.ENTRIES.values())
     assert set(modes.WORKLOADS) == {"balanced", "rollout_bound"}
+
+
+def _write_run(root, entry: str, run: int, records: list[dict]) -> None:
+    run_dir = root / "balanced" / f"{entry}-{run}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_trl_entry_ratios_and_unreached_targets(tmp_path, capsys):
+    # TRL's records carry no rollout utilisation (it has no separate engine).
+    trl = [{k: v for k, v in r.items() if k != "rollout_utilisation"} for r in _records(200, 0.6)]
+    for run in (1, 2, 3):
+        _write_run(tmp_path, "sync", run, _records(100, 0.7))
+        _write_run(tmp_path, "reflow", run, _records(300 + 10 * run, 0.1))
+        _write_run(tmp_path, "trl", run, trl)
+    # The reflow reward curve never reaches 0.3 in round 3 only.
+    flat = _records(330, 0.1)
+    for r in flat:
+        r["reward_mean"] = 0.0
+    (tmp_path / "balanced" / "reflow-3" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in flat))
+    assert modes.main(["--out", str(tmp_path), "--entries", "sync,reflow", "--workloads",
+                       "balanced", "--with-trl", "--from-runs", "--warmup", "2"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())["balanced"]["entries"]
+    assert [r["vs_trl"] for r in result["reflow"]["runs"]] == [1.55, 1.6, 1.65]
+    assert result["reflow"]["median"]["vs_trl"] == 1.6
+    assert result["trl"]["median"]["vs_sync"] == 2.0
+    assert result["trl"]["runs"][0]["rollout_utilisation"] is None
+    # Unreached in one run: no median that would flatter it, and the table says so.
+    assert "time_to_target_reward_s" not in result["reflow"]["median"]
+    assert result["reflow"]["missing_runs"]["time_to_target_reward_s"] == 1
+    assert result["trl"]["median"]["time_to_target_reward_s"] == 10.0
+    out = capsys.readouterr().out
+    assert "vs trl" in out and "none in 1 runs" in out
+
+
+def test_with_trl_needs_its_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFLOW_TRL_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(SystemExit, match="make bench-trl-env"):
+        modes.main(["--out", str(tmp_path), "--entries", "sync", "--with-trl"])

@@ -28,6 +28,13 @@ samples in every entry).
 
 Throughput is trained tokens over the wall time between consecutive step ends,
 summed over the steps after `--warmup` (the paper's definition, §7.2).
+
+`--with-trl` adds a `trl` entry to every workload and round: TRL's GRPOTrainer on
+the same job (bench/trl_grpo.py, in the environment `make bench-trl-env` builds;
+REFLOW_TRL_PYTHON names another interpreter), and a "vs trl" column. Time to the
+target reward counts from each entry's first training step (ReFlow's trainer loop
+start; TRL's train() start), so neither one's start-up is in it; start-up is in
+each run's summary.json.
 """
 
 from __future__ import annotations
@@ -58,6 +65,17 @@ WORKLOADS: dict[str, list[str]] = {
     "rollout_bound": ["task.max_count=320", "rollout.max_tokens=256", "trainer.num_steps=25"],
 }
 REPO = Path(__file__).resolve().parents[3]
+TRL_ENTRY = "trl"
+TRL_SCRIPT = REPO / "bench" / "trl_grpo.py"
+
+
+def trl_python() -> Path:
+    """The interpreter of TRL's own environment (its transformers pin is not ours)."""
+    python = Path(os.environ.get("REFLOW_TRL_PYTHON", REPO / "bench" / ".venv-trl" / "bin" / "python"))
+    if not python.exists():
+        raise SystemExit(f"--with-trl: no TRL environment at {python}; build it with "
+                         "`make bench-trl-env` or set REFLOW_TRL_PYTHON")
+    return python
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -85,8 +103,9 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "wall_time_s": records[-1]["wall_time_s"],
         "trainer_idle_ratio": wait_s / step_s,
         "rollout_idle_ratio": sum(r["rollout_idle_ratio"] * r["step_time_s"] for r in measured) / step_s,
-        "rollout_utilisation": sum(r.get("rollout_utilisation", 0.0) * r["step_time_s"]
-                                   for r in measured) / step_s,
+        # Not measured where no record has it (TRL has no separate engine).
+        "rollout_utilisation": sum(r["rollout_utilisation"] * r["step_time_s"] for r in measured)
+        / step_s if all("rollout_utilisation" in r for r in measured) else None,
         "trained_samples": sum(r["fresh_samples"] + r["stale_samples"] + r["replay_samples"]
                                for r in records),
         "final_reward": sum(r["reward_mean"] for r in records[-window:]) / min(window, len(records)),
@@ -107,15 +126,20 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
 
 def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
               overrides: list[str]) -> list[dict]:
-    mode, extra, env = ENTRIES[entry]
     run_dir = out / workload / f"{entry}-{run}"
     if run_dir.exists():
         import shutil
 
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "reflow.cli", "run", config, "--out", str(run_dir), f"mode={mode}",
-           *WORKLOADS[workload], *extra, *overrides]
-    print(f"== {workload} {entry} run {run}: {' '.join(cmd[3:])}", flush=True)
+    if entry == TRL_ENTRY:
+        cmd = [str(trl_python()), str(TRL_SCRIPT), config, "--out", str(run_dir),
+               *WORKLOADS[workload], *overrides]
+        env: dict[str, str] = {}
+    else:
+        mode, extra, env = ENTRIES[entry]
+        cmd = [sys.executable, "-m", "reflow.cli", "run", config, "--out", str(run_dir),
+               f"mode={mode}", *WORKLOADS[workload], *extra, *overrides]
+    print(f"== {workload} {entry} run {run}: {' '.join(cmd[1:])}", flush=True)
     log_path = out / workload / f"{entry}-{run}.log"
     with open(log_path, "w") as log:
         # argv: sys.executable -m reflow.cli run plus this script's own arguments.
@@ -126,17 +150,22 @@ def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "trainer_idle_ratio", "rollout_utilisation",
+SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "vs_trl", "time_to_target_reward_s", "trainer_idle_ratio", "rollout_utilisation",
                  "replay_fraction", "final_reward", "max_staleness", "evicted_samples",
                  "wasted_samples", "wall_time_s")
 
 
 def spread(runs: list[dict]) -> dict:
-    """Median, min and max of every numeric field over the runs."""
-    out: dict = {"median": {}, "min": {}, "max": {}}
+    """Median, min and max of every numeric field over the runs; a field some run
+    lacks has no median; for the time to the target reward, the count of runs that
+    never reached it says so."""
+    out: dict = {"median": {}, "min": {}, "max": {}, "missing_runs": {}}
     for field in SPREAD_FIELDS:
         values = [r[field] for r in runs if r.get(field) is not None]
-        if values:
+        if field == "time_to_target_reward_s" and len(values) < len(runs):
+            # A median over the runs that reached a target would flatter the entry.
+            out["missing_runs"][field] = len(runs) - len(values)
+        elif values:
             out["median"][field] = statistics.median(values)
             out["min"][field], out["max"][field] = min(values), max(values)
     return out
@@ -163,7 +192,8 @@ def plot(all_records: dict[str, list[dict]], path: Path) -> None:
 
 def _cell(entry: dict, field: str, fmt: str) -> str:
     if field not in entry["median"]:
-        return "-"
+        missing = entry.get("missing_runs", {}).get(field)
+        return f"none in {missing} runs" if missing else "-"
     med, lo, hi = entry["median"][field], entry["min"][field], entry["max"][field]
     return f"{med:{fmt}} [{lo:{fmt}}-{hi:{fmt}}]"
 
@@ -176,7 +206,10 @@ def print_table(workload: str, result: dict) -> None:
     columns = (("tok/s", "trainer_tokens_per_s", ".0f"), ("vs sync", "vs_sync", ".2f"),
                ("idle T", "trainer_idle_ratio", ".2f"), ("util R", "rollout_utilisation", ".2f"),
                ("replay", "replay_fraction", ".2f"), ("reward", "final_reward", ".3f"),
-               ("stale", "max_staleness", ".0f"), ("wasted", "wasted_samples", ".0f"))
+               ("stale", "max_staleness", ".0f"), ("wasted", "wasted_samples", ".0f"),
+               ("t to target (s)", "time_to_target_reward_s", ".0f"))
+    if any("vs_trl" in summary["median"] for summary in result["entries"].values()):
+        columns = columns[:2] + (("vs trl", "vs_trl", ".2f"),) + columns[2:]
     print(f"{'entry':<14}" + "".join(f"{name:>22}" for name, _, _ in columns))
     for entry, summary in result["entries"].items():
         print(f"{entry:<14}" + "".join(f"{_cell(summary, field, fmt):>22}"
@@ -194,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of every entry (interleaved)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of throughput")
     parser.add_argument("--target-reward", type=float, default=0.3)
+    parser.add_argument("--with-trl", action="store_true",
+                        help="add TRL's GRPOTrainer on the same job as entry `trl`")
     parser.add_argument("--from-runs", action="store_true",
                         help="summarise the runs already in --out instead of running them")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value",
@@ -201,9 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out).absolute()
     entries = [e for e in args.entries.split(",") if e]
+    if args.with_trl:
+        if not args.from_runs:
+            trl_python()  # fail before the first run, not after an hour
+        entries.append(TRL_ENTRY)
     workloads = [w for w in args.workloads.split(",") if w]
     for name, known in (("entries", ENTRIES), ("workloads", WORKLOADS)):
-        unknown = set(entries if name == "entries" else workloads) - set(known)
+        unknown = set(entries if name == "entries" else workloads) - set(known) - {TRL_ENTRY}
         if unknown:
             raise SystemExit(f"--{name}: unknown {sorted(unknown)}; choose from {list(known)}")
     if not set(SYNC_ENTRIES) & set(entries):
@@ -224,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                 last_records[entry] = records
             # Against the faster sync placement of this round.
             base = max(runs[e][-1]["trainer_tokens_per_s"] for e in SYNC_ENTRIES if e in runs)
+            trl = runs[TRL_ENTRY][-1]["trainer_tokens_per_s"] if TRL_ENTRY in runs else None
             for entry in entries:
                 runs[entry][-1]["vs_sync"] = runs[entry][-1]["trainer_tokens_per_s"] / base
+                if trl:
+                    runs[entry][-1]["vs_trl"] = runs[entry][-1]["trainer_tokens_per_s"] / trl
         # In sync the trainer waits exactly while a batch is generated.
         shares = [r["breakdown_s"]["wait_for_batch"] / sum(r["breakdown_s"].values())
                   for e in SYNC_ENTRIES if e in runs for r in runs[e]]

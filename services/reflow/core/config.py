@@ -118,6 +118,15 @@ class TrainerConfig(_Section):
         default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
     )
     max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient clipping norm.")
+    max_tokens_per_micro_batch: int | None = Field(
+        default=2048, ge=1, le=16_777_216,
+        description="Padded tokens per forward/backward pass: a step's batch is sorted by "
+        "length and cut into micro-batches of at most this many (sequences x longest), whose "
+        "gradients accumulate into one optimizer step, as verl's `use_dynamic_bsz` with "
+        "`ppo_max_token_len_per_gpu`. Cuts padding on long-tailed lengths and bounds "
+        "activation memory; the gradient is the whole batch's. A sequence longer than this "
+        "gets a micro-batch of its own. None: the whole batch in one pass.",
+    )
     sync_interval: int = Field(
         default=1, ge=1, le=1_000_000,
         description="Publish a new policy version every this many steps."

@@ -57,6 +57,13 @@ def _load_recorder(load: EngineLoad):
     return LoadRecorder
 
 
+def _default_executor() -> str | None:
+    """In-process on CPU (see below); vLLM's own choice on GPU."""
+    import torch
+
+    return None if torch.cuda.is_available() else "uni"
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -69,6 +76,11 @@ class VllmEngine:
         # Functions sent through collective_rpc are pickled by reference.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
+        executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor()
+        if executor == "uni":
+            # vLLM-CPU only keeps the in-process executor when this is off; AsyncLLM
+            # still runs its engine core as a separate process either way.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -78,6 +90,12 @@ class VllmEngine:
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=True,
+            # On CPU, the model worker inside the engine-core process. vLLM-CPU otherwise
+            # starts it as a third process that the engine core talks to over a
+            # shared-memory queue both sides spin on (sched_yield): the profile
+            # (bench/PROFILE.md) found half the engine's CPU samples there. Tensor-
+            # parallel engines need the multiprocess executor; REFLOW_VLLM_EXECUTOR=mp.
+            distributed_executor_backend=executor,
             # Logprobs after temperature scaling: those of the distribution sampled from.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,

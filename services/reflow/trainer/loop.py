@@ -31,7 +31,7 @@ from reflow.core.types import Batch, Trajectory
 from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.trainer.loss import grpo_token_loss, replay_sample_weights, token_logprobs
+from reflow.trainer.loss import LossStats, grpo_token_loss, replay_sample_weights, token_logprobs
 from reflow.weightsync import DEFAULT_BUCKET_BYTES, make_group, send_weights, specs_of
 
 RECENT_METRICS_STEPS = 4096
@@ -77,6 +77,23 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -
         input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device),
         uses.to(device), num_tokens.to(device),
     )
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Indices of a step's sequences cut into micro-batches of at most `max_tokens`
+    padded tokens (sequences x longest), longest first, so each pads only to
+    sequences of about its own length. A sequence longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_tokens is None:
+        return [order] if order else []
+    plan: list[list[int]] = []
+    for i in order:
+        # Sorted longest first: a micro-batch's first sequence is its longest.
+        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens:
+            plan[-1].append(i)
+        else:
+            plan.append([i])
+    return plan
 
 
 class TrainLoop:
@@ -263,31 +280,51 @@ class TrainLoop:
                 raise RuntimeError(f"rollout worker {client.address} failed: {stats.error}")
 
     def _train_step(self, batch: Batch):
-        tb = collate(batch.trajectories, self.pad_id, self.device)
-        logits = self.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits
-        # The engine sampled from softmax(logits / T); score under the same law.
-        logits = logits[:, :-1] / self.spec.rollout.temperature
-        new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
-        # Replayed samples weigh τ, then the batch is renormalised (paper §4.1).
-        weights = replay_sample_weights(tb.uses, tb.num_tokens, self.spec.replay.replay_weight)
-        loss, stats = grpo_token_loss(
-            new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask, self.spec.trainer.clip_eps,
-            sample_weights=weights,
-        )
+        trajectories = batch.trajectories
+        # Replayed samples weigh τ, then the batch is renormalised (paper §4.1), over
+        # the whole step's batch before it is cut into micro-batches.
+        weights = replay_sample_weights(
+            torch.tensor([t.uses for t in trajectories], dtype=torch.long),
+            torch.tensor([t.num_tokens for t in trajectories], dtype=torch.long),
+            self.spec.replay.replay_weight).to(self.device)
+        batch_tokens = float(sum(sum(t.loss_mask) for t in trajectories))
+        plan = plan_micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories],
+                                  self.spec.trainer.max_tokens_per_micro_batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_total = 0.0
+        stat_sums = {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
+        per_sample: dict[int, tuple[float, float]] = {}
+        for indices in plan:
+            tb = collate([trajectories[i] for i in indices], self.pad_id, self.device)
+            logits = self.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits
+            # The engine sampled from softmax(logits / T); score under the same law.
+            logits = logits[:, :-1] / self.spec.rollout.temperature
+            new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
+            loss, stats = grpo_token_loss(
+                new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask,
+                self.spec.trainer.clip_eps, sample_weights=weights[indices],
+                num_batch_tokens=batch_tokens)
+            loss.backward()  # gradients accumulate: the sum is the whole batch's
+            loss_total += stats.loss
+            share = float(tb.loss_mask.sum()) / max(batch_tokens, 1.0)
+            for name in stat_sums:
+                stat_sums[name] += getattr(stats, name) * share
+            with torch.no_grad():
+                ratio = torch.exp((new_logprobs - tb.old_logprobs) * tb.loss_mask) * tb.loss_mask
+                clipped = ((ratio - 1.0).abs() > self.spec.trainer.clip_eps) * tb.loss_mask
+                denom = tb.loss_mask.sum(-1).clamp(min=1.0)
+                for i, r, c in zip(indices, (ratio.sum(-1) / denom).tolist(),
+                                   (clipped.sum(-1) / denom).tolist()):
+                    per_sample[i] = (r, c)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.spec.trainer.max_grad_norm
         )
         self.optimizer.step()
-        with torch.no_grad():
-            ratio = torch.exp((new_logprobs - tb.old_logprobs) * tb.loss_mask) * tb.loss_mask
-            clipped = ((ratio - 1.0).abs() > self.spec.trainer.clip_eps) * tb.loss_mask
-            denom = tb.loss_mask.sum(-1).clamp(min=1.0)
-            per_ratio, per_clip = (ratio.sum(-1) / denom).tolist(), (clipped.sum(-1) / denom).tolist()
+        stats = LossStats(loss=loss_total, **stat_sums)
         sample_stats = {
-            t.sample_id: {"ratio_mean": r, "clip_fraction": c, "loss_weight": float(w)}
-            for t, r, c, w in zip(batch.trajectories, per_ratio, per_clip, weights)
+            t.sample_id: {"ratio_mean": per_sample[i][0], "clip_fraction": per_sample[i][1],
+                          "loss_weight": float(weights[i])}
+            for i, t in enumerate(trajectories)
         }
         return (stats, float(grad_norm)), sample_stats
 

@@ -28,12 +28,15 @@ def grpo_token_loss(
     mask: torch.Tensor,
     clip_eps: float,
     sample_weights: torch.Tensor | None = None,
+    num_batch_tokens: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped-ratio policy loss averaged over loss tokens.
 
     Shapes: logprobs and mask are [batch, tokens]; advantages and
     sample_weights are [batch]. `sample_weights` scale each sample's tokens
-    (1 when omitted).
+    (1 when omitted). For a micro-batch of a larger step, `num_batch_tokens` is
+    the whole step's loss-token count, so the micro-batches' losses (and their
+    gradients) sum to the step's; the stats stay per micro-batch token.
 
     loss = -Σ_i Σ_t w_i m_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) / Σ_i Σ_t m_it,
     ρ_it = exp(new_it - old_it).
@@ -48,7 +51,8 @@ def grpo_token_loss(
     if sample_weights is not None:
         per_token = per_token * sample_weights.unsqueeze(-1)
     num_tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / num_tokens
+    loss = (per_token * mask).sum() / (num_tokens if num_batch_tokens is None
+                                       else max(float(num_batch_tokens), 1.0))
     with torch.no_grad():
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         stats = LossStats(

@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 "clip_fraction": float(logs.get("clip_ratio/region_mean", 0.0)),
                 "response_len_mean": float(logs.get("completions/mean_length", 0.0)),
             }
+            if not records:
+                record["trainer_startup_s"] = startup_s  # as ReFlow's first record carries it
             self.previous = self.step_end
             records.append(record)
             metrics_file.write(json.dumps(record) + "\n")

@@ -39,6 +39,9 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
         "rollout_idle_ratio_mean": _mean([r["rollout_idle_ratio"] for r in records]),
         "rollout_utilisation_mean": _mean([r.get("rollout_utilisation", 0.0) for r in records]),
         "max_staleness": max(r["max_staleness"] for r in records),
+        # Start-up, outside every figure above (the step clock starts after it).
+        "engine_startup_s": records[0].get("engine_startup_s"),
+        "trainer_startup_s": records[0].get("trainer_startup_s"),
     }
 
 

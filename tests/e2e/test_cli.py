@@ -85,6 +85,10 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
         assert REQUIRED_KEYS <= set(r)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phase"] == "SUCCEEDED" and summary["steps"] == 4
+    # Start-up is measured and reported once, apart from the steady state: vLLM takes
+    # seconds to build, and the step clock (wall_time_s) starts after both.
+    assert summary["engine_startup_s"] > 1.0 and summary["trainer_startup_s"] > 0.0
+    assert "engine_startup_s" in records[0] and "engine_startup_s" not in records[1]
     assert (out / "report.png").stat().st_size > 10_000
     # The run's API had auth on: a random token, readable by its owner only.
     token_file = out / "api-token"

@@ -113,6 +113,9 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "replay_fraction": sum(r.get("replay_fraction", 0.0) for r in measured) / n,
         "max_staleness": max(r["max_staleness"] for r in records),
         "evicted_samples": records[-1].get("evicted_samples_total", 0),
+        # Start-up, outside throughput and time to target (TRL has no separate engine).
+        "engine_startup_s": records[0].get("engine_startup_s"),
+        "trainer_startup_s": records[0].get("trainer_startup_s"),
         # Evicted before any training: rollouts generated for nothing.
         "wasted_samples": records[-1].get("evicted_unused_samples_total", 0),
         # Where a step's time goes, in seconds per step.
@@ -152,7 +155,7 @@ def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
 
 SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "vs_trl", "time_to_target_reward_s", "trainer_idle_ratio", "rollout_utilisation",
                  "replay_fraction", "final_reward", "max_staleness", "evicted_samples",
-                 "wasted_samples", "wall_time_s")
+                 "wasted_samples", "wall_time_s", "engine_startup_s", "trainer_startup_s")
 
 
 def spread(runs: list[dict]) -> dict:

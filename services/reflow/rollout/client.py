@@ -17,6 +17,7 @@ class RolloutStats:
     state: str
     error: str
     occupancy_seconds_total: float = 0.0
+    engine_startup_s: float = 0.0
 
 
 class GrpcRolloutClient:
@@ -77,6 +78,7 @@ class GrpcRolloutClient:
         return RolloutStats(
             m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
             m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,
+            m.engine_startup_s,
         )
 
     def close(self) -> None:

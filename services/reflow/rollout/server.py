@@ -72,6 +72,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             state=state,
             error=error,
             occupancy_seconds_total=counters.occupancy_seconds_total,
+            engine_startup_s=counters.engine_startup_s,
         )
 
 

@@ -67,6 +67,8 @@ class RolloutCounters:
     policy_version: int = 0
     # Engine batch occupancy integrated over time (see _measure_occupancy).
     occupancy_seconds_total: float = 0.0
+    # Seconds the engine took to build: start-up, reported apart from the steady state.
+    engine_startup_s: float = 0.0
 
 
 class RolloutWorker:
@@ -129,7 +131,9 @@ class RolloutWorker:
 
     async def _build_and_run(self) -> None:
         try:
+            started = time.monotonic()
             self.engine = self.engine_factory()
+            self.counters.engine_startup_s = time.monotonic() - started
         except Exception as err:  # noqa: BLE001 - reported through GetStats
             logger.exception("job %s: engine start failed", self.job_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"

@@ -118,6 +118,7 @@ class TrainLoop:
         self.metrics = metrics
         self.step = 0
         self.policy_version = 0
+        self.startup_s = 0.0
         # Recent per-step records for the scheduler, which polls about once a second
         # and copies them into the job store; bounded so a lost poller costs no memory.
         self.recent_metrics: deque[dict[str, Any]] = deque(maxlen=RECENT_METRICS_STEPS)
@@ -133,6 +134,7 @@ class TrainLoop:
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        started = time.monotonic()
         torch.manual_seed(self.spec.seed)
         if self.device.type == "cpu":
             # One OpenMP thread per core this process may use (see procs.split_cpus).
@@ -152,6 +154,8 @@ class TrainLoop:
             weight_decay=self.spec.trainer.weight_decay,
         )
         self.pad_id = self.tokenizer.pad_token_id or 0
+        # Start-up (model and optimizer built), reported with the first step.
+        self.startup_s = time.monotonic() - started
         # The buffer composes batches and evicts by these settings (σ, δ, plug-ins).
         self.replay.configure(self.job_id, self.spec.replay)
 
@@ -366,7 +370,15 @@ class TrainLoop:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
         buffer = self.replay.stats(self.job_id)
         num_workers = max(1, len(self.rollouts))
+        startup: dict[str, float] = {}
+        if self.step == 1:
+            # Start-up, once, apart from the steady state: this trainer's model and
+            # optimizer, and the slowest rollout engine's build.
+            startup = {"trainer_startup_s": self.startup_s,
+                       "engine_startup_s": max((c.stats(self.job_id).engine_startup_s
+                                                for c in self.rollouts), default=0.0)}
         return {
+            **startup,
             "step": self.step,
             "policy_version": self.policy_version,
             "reward_mean": sum(t.reward for t in trajs) / len(trajs),

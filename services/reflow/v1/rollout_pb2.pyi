@@ -56,7 +56,7 @@ class UpdateWeightsReply(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., pause_s: _Optional[float] = ..., receive_s: _Optional[float] = ...) -> None: ...
 
 class RolloutStats(_message.Message):
-    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total")
+    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total", "engine_startup_s")
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class RolloutStats(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OCCUPANCY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STARTUP_S_FIELD_NUMBER: _ClassVar[int]
     generated_tokens_total: int
     finished_samples_total: int
     idle_seconds_total: float
@@ -73,4 +74,5 @@ class RolloutStats(_message.Message):
     state: str
     error: str
     occupancy_seconds_total: float
-    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ...) -> None: ...
+    engine_startup_s: float
+    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ..., engine_startup_s: _Optional[float] = ...) -> None: ...

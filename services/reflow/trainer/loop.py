@@ -50,8 +50,6 @@ class TensorBatch:
     old_logprobs: torch.Tensor  # [B, T-1], aligned with targets input_ids[:, 1:]
     loss_mask: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B]
-    uses: torch.Tensor  # [B], times trained before: > 0 marks a replayed sample
-    num_tokens: torch.Tensor  # [B], loss tokens n_i
 
 
 def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -> TensorBatch:
@@ -71,12 +69,8 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -
         old[i, p - 1 : p - 1 + r] = torch.tensor(t.logprobs)
         mask[i, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
     adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
-    uses = torch.tensor([t.uses for t in trajectories], dtype=torch.long)
-    num_tokens = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.long)
     return TensorBatch(
-        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device),
-        uses.to(device), num_tokens.to(device),
-    )
+        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device))
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
@@ -291,7 +285,7 @@ class TrainLoop:
             torch.tensor([t.uses for t in trajectories], dtype=torch.long),
             torch.tensor([t.num_tokens for t in trajectories], dtype=torch.long),
             self.spec.replay.replay_weight).to(self.device)
-        batch_tokens = float(sum(sum(t.loss_mask) for t in trajectories))
+        batch_tokens = float(sum(t.num_tokens for t in trajectories))
         plan = plan_micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories],
                                   self.spec.trainer.max_tokens_per_micro_batch)
         self.optimizer.zero_grad(set_to_none=True)

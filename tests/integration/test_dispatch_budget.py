@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from reflow.core.config import parse_job_spec
 from reflow.core.types import Segment, Trajectory
 from reflow.replay.store import ReplayStore
-from reflow.rollout.tasks import RepeatTask
-from reflow.rollout.worker import RolloutWorker
 
 GROUP, BATCH, CAP = 4, 8, 8
 
@@ -30,23 +28,20 @@ actions = st.lists(
 
 
 class SimWorker:
-    """A rollout worker's admission, driven step by step: the real RolloutWorker's
-    dispatch limits and the buffer's real grant, with generation simulated."""
+    """Dispatch to one rollout worker, driven step by step: the job's real dispatch
+    limits (at the version the buffer has published, as the dispatcher takes them)
+    and the buffer's real grant, with generation simulated."""
 
     def __init__(self, store: ReplayStore, job: str, spec, rank: int) -> None:
         self.store, self.job, self.spec, self.rank = store, job, spec, rank
-        self.worker = RolloutWorker(job, spec, lambda: None, RepeatTask(), replay=None,
-                                    encode=lambda t: [], decode=lambda ids: "")
+        self.version = 0  # the version this worker has loaded
         self.inflight: list[int] = []  # the version each in-flight group started under
         self.made = 0
 
-    @property
-    def version(self) -> int:
-        return self.worker.counters.policy_version
-
     def dispatch(self) -> None:
         room = CAP - GROUP * len(self.inflight)
-        granted = self.store.acquire_dispatch(self.job, room, GROUP, *self.worker.dispatch_limits())
+        granted = self.store.acquire_dispatch(self.job, room, GROUP,
+                                              *self.spec.dispatch_limits(self.store.version(self.job)))
         assert granted % GROUP == 0 and 0 <= granted <= room
         self.inflight += [self.version] * (granted // GROUP)
 
@@ -83,7 +78,7 @@ class Sim:
         # The trainer publishes to the workers first, then to the buffer.
         self.version += 1
         for w in self.workers:
-            w.worker.counters.policy_version = self.version
+            w.version = self.version
         self.store.publish_version(self.job, self.version)
         return True
 
@@ -97,7 +92,7 @@ class Sim:
         outstanding = s.dispatched_total - s.trained_unused_total - s.evicted_unused_total
         generating = GROUP * sum(len(w.inflight) for w in self.workers)
         assert outstanding == generating + s.unused_samples
-        assert outstanding <= self.workers[0].worker.dispatch_limits()[0]
+        assert outstanding <= self.spec.dispatch_limits(self.version)[0]
 
 
 @pytest.mark.parametrize("replay_cap", [0.0, 0.5])
@@ -114,7 +109,7 @@ def test_a_batch_is_always_eventually_available(redis_server, replay_cap, max_st
     if mode == "reflow":
         replay["replay_cap"] = replay_cap
     spec = parse_job_spec({"model": {"path": "/m"}, "mode": mode, "replay": replay,
-                           "rollout": {"group_size": GROUP, "max_inflight_samples": CAP},
+                           "rollout": {"group_size": GROUP},
                            "trainer": {"batch_size": BATCH}})
     assert spec.replay.evict_stale is evict_stale
     sim = Sim(ReplayStore.from_url(redis_server.url), spec)
@@ -153,7 +148,7 @@ def test_evictions_refund_the_budget(redis_server):
     its budget comes back at once, so rollout starts over under the new weights."""
     spec = parse_job_spec({"model": {"path": "/m"}, "mode": "reflow",
                            "replay": {"max_staleness": 0, "replay_cap": 0.0},
-                           "rollout": {"group_size": GROUP, "max_inflight_samples": CAP},
+                           "rollout": {"group_size": GROUP},
                            "trainer": {"batch_size": BATCH}})
     sim = Sim(ReplayStore.from_url(redis_server.url), spec)
     w = sim.workers[0]
@@ -168,7 +163,7 @@ def test_evictions_refund_the_budget(redis_server):
     assert len(w.inflight) == 2
     sim.version += 1  # another trainer step elsewhere makes them stale
     for x in sim.workers:
-        x.worker.counters.policy_version = sim.version
+        x.version = sim.version
     sim.store.publish_version(sim.job, sim.version)
     w.finish(0)  # started under v1, the buffer is at v2 with δ = 0: evicted on arrival
     s = sim.store.stats(sim.job)

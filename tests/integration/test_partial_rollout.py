@@ -41,7 +41,7 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
     model_b = AutoModelForCausalLM.from_pretrained(other)
     spec = parse_job_spec({
         "name": "partial", "model": {"path": tiny_model}, "mode": "fully_async",
-        "rollout": {"group_size": 4, "max_tokens": 48, "max_inflight_samples": 8},
+        "rollout": {"group_size": 4, "max_tokens": 48},
         "trainer": {"batch_size": 8},
         "replay": {"max_staleness": 5},
     })
@@ -65,6 +65,10 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
         t.start()
         worker.init_weight_sync(sync)
         t.join()
+        # What the job's dispatcher would do: two groups fill the 8 slots.
+        prompts = RepeatTask(seed=0).prompts()
+        for i in range(2):
+            assert worker.submit_group(f"g{i}", next(prompts), 8)
         # Wait until samples are mid-generation, then swap in model B as version 1.
         deadline = time.monotonic() + 60
         while worker.counters.generated_tokens_total < 40:

@@ -1,8 +1,6 @@
 import pytest
 
 from reflow.core.config import JobSpecError, parse_job_spec
-from reflow.rollout.tasks import RepeatTask
-from reflow.rollout.worker import RolloutWorker
 
 
 def spec(**extra):
@@ -49,20 +47,32 @@ def test_baselines_are_run_as_their_authors_run_them():
         spec(mode="one_step_off", rollout={"group_size": 4, "partial_rollout": True})
 
 
-def test_dispatch_limits_are_b_max_per_step_ahead_of_the_trainer():
-    def worker(s):
-        return RolloutWorker("j", s, lambda: None, RepeatTask(), replay=None,
-                             encode=lambda t: [], decode=lambda ids: "")
+def test_baselines_generate_without_adaptive_scheduling_at_their_budget_s_concurrency():
+    # verl hands vLLM all its budget allows: the whole batch (sync), the next batch
+    # too (one_step_off), required_samples x (staleness_threshold + 1) (fully_async).
+    for mode, cap in (("sync", 16), ("one_step_off", 32), ("fully_async", 32)):
+        s = spec(mode=mode)
+        assert s.rollout.max_inflight_samples is None and s.concurrency_cap == cap, mode
+        assert not s.scheduler.enabled("concurrency_control")
+        assert not s.scheduler.enabled("token_admission")
+    with pytest.raises(JobSpecError, match="mode=sync fixes rollout.max_inflight_samples"):
+        spec(mode="sync", rollout={"group_size": 4, "max_inflight_samples": 8})
+    reflow = spec(mode="reflow")
+    assert reflow.concurrency_cap == 64 and reflow.scheduler.enabled("concurrency_control")
+    off = spec(mode="reflow", scheduler={"token_admission": False})
+    assert off.scheduler.enabled("concurrency_control")
+    assert not off.scheduler.enabled("token_admission")
+    assert not spec(mode="reflow", scheduler={"adaptive": False}).scheduler.enabled("placement")
 
-    sync = worker(spec(mode="sync"))
-    assert sync.dispatch_limits() == (16, 16)  # one batch, then wait for the trainer
-    sync.counters.policy_version = 3
-    assert sync.dispatch_limits() == (16, 64)
-    off = worker(spec(mode="one_step_off"))
-    assert off.dispatch_limits() == (32, 32)  # one batch ahead
-    custom = worker(spec(mode="reflow", rollout={"group_size": 4, "max_samples_per_step": 8},
-                         trainer={"batch_size": 16, "sync_interval": 2}, replay={"max_staleness": 2}))
-    assert custom.dispatch_limits() == (8 * 2 * 3, 8 * 2 * 3)
+
+def test_dispatch_limits_are_b_max_per_step_ahead_of_the_trainer():
+    sync = spec(mode="sync")
+    assert sync.dispatch_limits(0) == (16, 16)  # one batch, then wait for the trainer
+    assert sync.dispatch_limits(3) == (16, 64)
+    assert spec(mode="one_step_off").dispatch_limits(0) == (32, 32)  # one batch ahead
+    custom = spec(mode="reflow", rollout={"group_size": 4, "max_samples_per_step": 8},
+                  trainer={"batch_size": 16, "sync_interval": 2}, replay={"max_staleness": 2})
+    assert custom.dispatch_limits(0) == (8 * 2 * 3, 8 * 2 * 3)
 
 
 def test_sync_is_colocated_and_the_others_get_their_own_cores(monkeypatch):

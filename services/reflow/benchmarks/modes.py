@@ -7,8 +7,10 @@ Runs the same job (same seed, model, task and number of trained samples) as
 every entry: the baselines sync, one_step_off and fully_async as their authors
 run them (see MODE_PRESETS in reflow.core.config), sync_split (sync with
 rollout and trainer on their own cores instead of colocated), reflow with the
-paper's settings, and reflow_newest (the same with
-`replay.staleness_version=newest`, the choice the paper leaves open). Ratios
+paper's settings, reflow_newest (the same with
+`replay.staleness_version=newest`, the choice the paper leaves open) and
+reflow_static (the same without adaptive generation scheduling: the
+ablation of paper §6.1, `scheduler.adaptive=false`). Ratios
 ("vs sync") are against the faster of sync and sync_split in the same round.
 Each entry runs through `reflow run` with all services as separate processes.
 
@@ -56,6 +58,9 @@ ENTRIES: dict[str, tuple[str, list[str], dict[str, str]]] = {
     # against whichever sync placement was faster in that round.
     "sync_split": ("sync", [], {"REFLOW_COLOCATE": "0"}),
     "reflow_newest": ("reflow", ["replay.staleness_version=newest"], {}),
+    # The adaptive generation scheduler's ablation (paper §6.1): a static cap of
+    # rollout.max_inflight_samples, no token-budget admission.
+    "reflow_static": ("reflow", ["scheduler.adaptive=false"], {}),
 }
 SYNC_ENTRIES = ("sync", "sync_split")
 # workload -> overrides on the config. rollout_bound: counts up to 320 on a Zipf tail
@@ -100,6 +105,10 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
     return {
         "steps": len(records),
         "trainer_tokens_per_s": sum(r["trained_tokens"] for r in measured) / step_s,
+        # Tokens the engines generated per second over the same steps (None for runs
+        # recorded before this was measured, and for TRL).
+        "generation_tokens_per_s": sum(r["generated_tokens"] for r in measured) / step_s
+        if all("generated_tokens" in r for r in measured) else None,
         "wall_time_s": records[-1]["wall_time_s"],
         "trainer_idle_ratio": wait_s / step_s,
         "rollout_idle_ratio": sum(r["rollout_idle_ratio"] * r["step_time_s"] for r in measured) / step_s,
@@ -153,7 +162,8 @@ def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SPREAD_FIELDS = ("trainer_tokens_per_s", "vs_sync", "vs_trl", "time_to_target_reward_s", "trainer_idle_ratio", "rollout_utilisation",
+SPREAD_FIELDS = ("trainer_tokens_per_s", "generation_tokens_per_s", "vs_sync", "vs_trl",
+                 "time_to_target_reward_s", "trainer_idle_ratio", "rollout_utilisation",
                  "replay_fraction", "final_reward", "max_staleness", "evicted_samples",
                  "wasted_samples", "wall_time_s", "engine_startup_s", "trainer_startup_s")
 
@@ -207,6 +217,7 @@ def print_table(workload: str, result: dict) -> None:
           f"(min {share['min']:.0%}, max {share['max']:.0%}); median [min-max] of "
           f"{len(next(iter(result['entries'].values()))['runs'])} runs")
     columns = (("tok/s", "trainer_tokens_per_s", ".0f"), ("vs sync", "vs_sync", ".2f"),
+               ("gen tok/s", "generation_tokens_per_s", ".0f"),
                ("idle T", "trainer_idle_ratio", ".2f"), ("util R", "rollout_utilisation", ".2f"),
                ("replay", "replay_fraction", ".2f"), ("reward", "final_reward", ".3f"),
                ("stale", "max_staleness", ".0f"), ("wasted", "wasted_samples", ".0f"),

@@ -77,11 +77,15 @@ class RolloutConfig(_Section):
     )
     max_tokens: int = Field(default=64, ge=1, le=131072, description="Response length limit.")
     temperature: float = Field(default=1.0, gt=0.0, le=4.0, description="Sampling temperature.")
-    max_inflight_samples: int = Field(
+    max_inflight_samples: int | None = Field(
         default=64,
         ge=1,
         le=1_048_576,
-        description="Concurrency cap: most samples generating at once on a rollout worker.",
+        description="Concurrency cap: most samples generating at once on a rollout worker; "
+        "with scheduler.concurrency_control, where the adaptive cap starts. None: as many as "
+        "the dispatch budget lets out (B_max x (1 + look-ahead) x sync_interval), as verl's "
+        "fully_async rollouter sets `max_concurrent_samples` and its synchronous and "
+        "one-step-off trainers hand vLLM the whole batch.",
     )
     max_samples_per_step: int | None = Field(
         default=None,
@@ -219,7 +223,106 @@ class ReplayConfig(_Section):
         return self
 
 
+class SchedulerConfig(_Section):
+    """Adaptive scheduling (paper §6). The paper gives no values for these
+    settings; the defaults are ours, chosen on the CPU benchmark and documented
+    in the README. Each part can be turned off alone, for ablation."""
+
+    adaptive: bool = Field(
+        default=True,
+        description="Master switch: False turns off concurrency control, token-budget "
+        "admission and placement at once (a static cap of rollout.max_inflight_samples "
+        "and least-loaded routing remain).",
+    )
+    concurrency_control: bool = Field(
+        default=True,
+        description="Per-worker concurrency cap from a feedback loop on KV-cache use and "
+        "preemptions (paper §6.1); False: the cap stays rollout.max_inflight_samples.",
+    )
+    token_admission: bool = Field(
+        default=True,
+        description="Admit a group to worker i only if (T_pred_i + T̂(r)) / Budget_i <= ρ "
+        "(paper §6.1): predicted outstanding KV tokens over the engine's KV capacity.",
+    )
+    placement: bool = Field(
+        default=True,
+        description="Rollout/trainer placement from the producer/consumer model "
+        "(paper §6.2, Algorithm 1), evaluated every training step.",
+    )
+    control_interval_s: float = Field(
+        default=2.0, ge=0.1, le=600.0,
+        description="How often the slow loop updates each worker's concurrency cap.",
+    )
+    ewma_alpha: float = Field(
+        default=0.5, gt=0.0, le=1.0,
+        description="α of the EWMAs of utilisation û and preemption growth ΔP̂ (paper §6.1).",
+    )
+    min_concurrency: int | None = Field(
+        default=None, ge=1, le=1_048_576,
+        description="Lowest cap the controller may set. None: rollout.group_size.",
+    )
+    max_concurrency: int = Field(
+        default=512, ge=1, le=1_048_576, description="Highest cap the controller may set.",
+    )
+    concurrency_step: int | None = Field(
+        default=None, ge=1, le=1_048_576,
+        description="Additive raise of an under-used worker's cap. None: rollout.group_size.",
+    )
+    concurrency_backoff: float = Field(
+        default=0.75, gt=0.0, lt=1.0,
+        description="Multiplicative cut of a worker's cap under KV pressure or preemption.",
+    )
+    utilisation_low: float = Field(
+        default=0.8, ge=0.0, le=1.0,
+        description="Raise the cap while the mean KV-cache use û is below this and the "
+        "cap held back work.",
+    )
+    utilisation_high: float = Field(
+        default=0.95, ge=0.0, le=1.0,
+        description="Cut the cap when the mean KV-cache use û exceeds this.",
+    )
+    preemption_tolerance: float = Field(
+        default=0.5, ge=0.0, le=1e9,
+        description="Cut the cap when preemptions per interval, smoothed (ΔP̂), exceed this.",
+    )
+    admission_ratio: float = Field(
+        default=0.9, gt=0.0, le=4.0,
+        description="ρ: the most predicted KV-token load a worker is admitted up to, as a "
+        "share of its KV capacity (above 1 over-commits, relying on preemption).",
+    )
+    placement_cooldown_steps: int = Field(
+        default=5, ge=0, le=1_000_000,
+        description="K: training steps between two rebalances (paper §6.2).",
+    )
+    placement_min_gain: float = Field(
+        default=0.1, ge=0.0, le=100.0,
+        description="Least improvement of |log(predicted coverage / (1 - σ))| worth a move.",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> SchedulerConfig:
+        if self.min_concurrency is not None and self.min_concurrency > self.max_concurrency:
+            raise ValueError(f"scheduler.min_concurrency ({self.min_concurrency}) must not "
+                             f"exceed scheduler.max_concurrency ({self.max_concurrency})")
+        if self.utilisation_low > self.utilisation_high:
+            raise ValueError("scheduler.utilisation_low must not exceed "
+                             "scheduler.utilisation_high")
+        return self
+
+    def enabled(self, part: Literal["concurrency_control", "token_admission",
+                                    "placement"]) -> bool:
+        return self.adaptive and bool(getattr(self, part))
+
+
 Mode = Literal["sync", "one_step_off", "fully_async", "reflow"]
+
+# How the baselines generate: no adaptive scheduling (paper §6 is ReFlow's), and
+# as much concurrency as their dispatch budget lets out: verl's synchronous and
+# one-step-off trainers hand vLLM the whole batch, and its fully_async rollouter
+# sets max_concurrent_samples = required_samples x (staleness_threshold + 1) x
+# trigger_parameter_sync_step, which is our outstanding-sample limit.
+BASELINE_GENERATION: dict[tuple[str, str], Any] = {
+    ("rollout", "max_inflight_samples"): None, ("scheduler", "adaptive"): False}
 
 # What each mode fixes: the paper's baselines (§7.2) as their authors run them,
 # on ReFlow's own code paths. A field a mode fixes may be left out of the spec;
@@ -230,19 +333,21 @@ MODE_PRESETS: dict[str, dict[tuple[str, str], Any]] = {
     # local backend gives rollout and trainer every core (see JobSpec.colocated).
     "sync": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 0,
              ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
-             ("rollout", "partial_rollout"): False},
+             ("rollout", "partial_rollout"): False, **BASELINE_GENERATION},
     # verl's one_step_off_policy recipe: batch k+1 is generated whole under the
     # weights of step k while step k trains; the weight update waits for that
     # generation (no partial rollout); consumed in order, nothing dropped.
     "one_step_off": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 1,
                      ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
-                     ("rollout", "partial_rollout"): False, ("replay", "evict_stale"): False},
+                     ("rollout", "partial_rollout"): False, ("replay", "evict_stale"): False,
+                     **BASELINE_GENERATION},
     # verl's fully_async_policy recipe (and AReaL): streaming with partial rollout,
     # a queue consumed in arrival order, staleness bounded by throttling dispatch
     # (δ plays `async_training.staleness_threshold`, in whole versions), nothing
     # finished is evicted. No replay.
     "fully_async": {("replay", "replay_cap"): 0.0, ("replay", "sampler"): "fifo",
-                    ("rollout", "partial_rollout"): True, ("replay", "evict_stale"): False},
+                    ("rollout", "partial_rollout"): True, ("replay", "evict_stale"): False,
+                    **BASELINE_GENERATION},
     # fully_async + replay (σ, τ, δ with eviction), the paper's settings by default.
     "reflow": {},
 }
@@ -265,6 +370,7 @@ class JobSpec(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
     @model_validator(mode="after")
     def _apply_mode(self) -> JobSpec:
@@ -284,6 +390,12 @@ class JobSpec(_Section):
         return self.rollout.max_samples_per_step or self.trainer.batch_size
 
     @property
+    def concurrency_cap(self) -> int:
+        """A rollout worker's (initial) concurrency cap: `rollout.max_inflight_samples`,
+        or with None the dispatch budget's outstanding limit."""
+        return self.rollout.max_inflight_samples or self.dispatch_limits(0)[0]
+
+    @property
     def colocated(self) -> bool:
         """Rollout and trainer take turns on the same devices (sync mode, as verl's
         hybrid engine), instead of each holding its own."""
@@ -295,6 +407,20 @@ class JobSpec(_Section):
         sync mode, one in one_step_off, δ in the asynchronous modes."""
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.replay.max_staleness)
 
+    def dispatch_limits(self, policy_version: int) -> tuple[int, int]:
+        """The job's dispatch bounds at `policy_version` (paper §4.1 step 1), as the
+        replay buffer applies them (see ReplayStore.acquire_dispatch):
+        - outstanding (dispatched, not yet trained or evicted) at most B_max per step
+          for 1 + look-ahead versions' worth of steps;
+        - dispatched less evicted at most B_max per step for the steps up to this
+          version plus the look-ahead (0 in sync, 1 in one_step_off, δ in the
+          asynchronous modes). This one keeps sync on-policy: nothing starts
+          between the trainer's release and the new weights reaching rollout.
+        Evictions refund both, so a job can never starve itself of a batch."""
+        per_version = self.samples_per_step * self.trainer.sync_interval
+        ahead = self.dispatch_ahead_versions
+        return per_version * (1 + ahead), per_version * (policy_version + 1 + ahead)
+
     @model_validator(mode="after")
     def _check_groups_fit(self) -> JobSpec:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -302,9 +428,14 @@ class JobSpec(_Section):
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of "
                 f"rollout.group_size ({self.rollout.group_size}): batches hold whole GRPO groups"
             )
-        if self.rollout.max_inflight_samples < self.rollout.group_size:
+        if self.concurrency_cap < self.rollout.group_size:
             raise ValueError(
-                f"rollout.max_inflight_samples ({self.rollout.max_inflight_samples}) must be at "
+                f"rollout.max_inflight_samples ({self.concurrency_cap}) must be at "
+                f"least rollout.group_size ({self.rollout.group_size})"
+            )
+        if self.scheduler.max_concurrency < self.rollout.group_size:
+            raise ValueError(
+                f"scheduler.max_concurrency ({self.scheduler.max_concurrency}) must be at "
                 f"least rollout.group_size ({self.rollout.group_size})"
             )
         return self

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reflow.rollout.engine import WeightSyncSpec
+from reflow.rollout.tasks import Prompt
+from reflow.rollout.worker import SampleEvent
 
 
 @dataclass
@@ -18,6 +20,10 @@ class RolloutStats:
     error: str
     occupancy_seconds_total: float = 0.0
     engine_startup_s: float = 0.0
+    kv_usage_seconds_total: float = 0.0
+    preempted_requests_total: int = 0
+    kv_cache_tokens: int = 0
+    concurrency_cap: int = 0
 
 
 class GrpcRolloutClient:
@@ -78,8 +84,54 @@ class GrpcRolloutClient:
         return RolloutStats(
             m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
             m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,
-            m.engine_startup_s,
+            m.engine_startup_s, m.kv_usage_seconds_total, m.preempted_requests_total,
+            m.kv_cache_tokens, m.concurrency_cap,
         )
+
+    def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
+                     concurrency_cap: int = 0) -> bool:
+        """Have the worker generate one group; False if it had this group_id already."""
+        from reflow.v1 import rollout_pb2
+
+        req = rollout_pb2.SubmitGroupRequest(
+            job_id=job_id, group_id=group_id, prompt_id=prompt.prompt_id,
+            prompt_text=prompt.text, prompt_answer=prompt.answer,
+            concurrency_cap=concurrency_cap)
+        return self._stub.SubmitGroup(req, timeout=self.deadline_s).accepted
+
+    def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
+        """Sample and group events after `since_seq`, waiting up to `wait_s`."""
+        from reflow.v1 import rollout_pb2
+
+        req = rollout_pb2.WaitSamplesRequest(job_id=job_id, since_seq=since_seq, wait_s=wait_s)
+        reply = self._stub.WaitSamples(req, timeout=wait_s + self.deadline_s)
+        return [SampleEvent(e.seq, e.group_id, e.sample_index, e.response_tokens,
+                            e.prompt_tokens, e.policy_version, e.error) for e in reply.events]
 
     def close(self) -> None:
         self._channel.close()
+
+
+class InprocRolloutClient:
+    """The same calls on a RolloutService in this process (tests, single-process runs)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
+                     concurrency_cap: int = 0) -> bool:
+        return self.service.submit_group(job_id, group_id, prompt, concurrency_cap)
+
+    def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
+        return self.service.wait_events(job_id, since_seq, wait_s)
+
+    def stats(self, job_id: str) -> RolloutStats:
+        c, idle_s, state, error = self.service.stats(job_id)
+        return RolloutStats(c.generated_tokens_total, c.finished_samples_total, idle_s,
+                            c.inflight_samples, c.policy_version, state, error,
+                            c.occupancy_seconds_total, c.engine_startup_s,
+                            c.kv_usage_seconds_total, c.preempted_requests_total,
+                            c.kv_cache_tokens, c.concurrency_cap)
+
+    def close(self) -> None:
+        pass

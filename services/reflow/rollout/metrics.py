@@ -49,9 +49,12 @@ class RolloutCollector:
                                    "Share of the KV cache in use (0-1).", labels=["job_id"])
             kv.add_metric([worker.job_id], load.kv_cache_usage_ratio)
             yield kv
-            preempted = CounterMetricFamily("reflow_rollout_preempted_requests",
-                                            "Requests the engine preempted.", labels=["job_id"])
-            preempted.add_metric([worker.job_id], load.preempted_requests_total)
+            preempted = CounterMetricFamily(
+                "reflow_rollout_preempted_requests", "Requests the engine preempted, by cause: "
+                "kv_cache (no room; what the concurrency controller acts on) or weight_sync "
+                "(a weight update's pause).", labels=["job_id", "cause"])
+            preempted.add_metric([worker.job_id, "kv_cache"], c.preempted_requests_total)
+            preempted.add_metric([worker.job_id, "weight_sync"], c.sync_preempted_requests_total)
             yield preempted
 
 

@@ -8,6 +8,7 @@ from reflow import rpc
 from reflow.core.config import JobSpec
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.service import RolloutService
+from reflow.rollout.tasks import Prompt
 from reflow.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -73,13 +74,41 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             error=error,
             occupancy_seconds_total=counters.occupancy_seconds_total,
             engine_startup_s=counters.engine_startup_s,
+            kv_usage_seconds_total=counters.kv_usage_seconds_total,
+            preempted_requests_total=counters.preempted_requests_total,
+            kv_cache_tokens=counters.kv_cache_tokens,
+            concurrency_cap=counters.concurrency_cap,
         )
+
+    def SubmitGroup(self, request, context):
+        try:
+            accepted = self.service.submit_group(
+                request.job_id, request.group_id,
+                Prompt(request.prompt_id, request.prompt_text, request.prompt_answer),
+                request.concurrency_cap)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return rollout_pb2.SubmitGroupReply(accepted=accepted)
+
+    def WaitSamples(self, request, context):
+        try:
+            events = self.service.wait_events(
+                request.job_id, request.since_seq,
+                min(request.wait_s, rpc.wait_budget_s(context)))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return rollout_pb2.SampleEvents(events=[
+            rollout_pb2.SampleEvent(
+                seq=e.seq, group_id=e.group_id, sample_index=e.sample_index,
+                response_tokens=e.response_tokens, prompt_tokens=e.prompt_tokens,
+                policy_version=e.policy_version, error=e.error)
+            for e in events])
 
 
 SERVICE_NAME = "reflow.v1.Rollout"
-# Calls that wait on the engine (start, stop, weight sync): bounded by rpc.LongCallGuard.
+# Calls that wait (on the engine, or for events): bounded by rpc.LongCallGuard.
 LONG_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in
-                     ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights"))
+                     ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights", "WaitSamples"))
 
 
 def register(service: RolloutService):

@@ -14,8 +14,8 @@ from reflow.core.errors import FailedPrecondition
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.rollout.tasks import build_task
-from reflow.rollout.worker import RolloutCounters, RolloutWorker
+from reflow.rollout.tasks import Prompt, build_task
+from reflow.rollout.worker import RolloutCounters, RolloutWorker, SampleEvent
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
 
 # Largest weight-sync group a job may have (trainer + rollout workers).
 MAX_GROUP_SIZE = 4096
+# Bounds on what a SubmitGroup may carry, and on a WaitSamples wait.
+MAX_PROMPT_CHARS, MAX_ANSWER_CHARS = 1 << 20, 1 << 16
+MAX_EVENT_WAIT_S = 30.0
 
 
 class RolloutService:
@@ -131,6 +134,25 @@ class RolloutService:
     def update_weights(self, job_id: str, policy_version: int,
                        timeout_s: float) -> tuple[float, float]:
         return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
+
+    def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
+                     concurrency_cap: int = 0) -> bool:
+        """Generate one group for the job's dispatcher; False if `group_id` was
+        submitted before (a retry). The prompt is data: it is tokenised, never run."""
+        if not prompt.text or len(prompt.text) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt_text: 1-{MAX_PROMPT_CHARS} characters required")
+        if len(prompt.answer) > MAX_ANSWER_CHARS or len(prompt.prompt_id) > 256:
+            raise ValueError(f"prompt_answer/prompt_id: at most {MAX_ANSWER_CHARS}/256 "
+                             "characters")
+        if not 0 <= concurrency_cap <= 1_048_576:
+            raise ValueError("concurrency_cap: 0 (unchanged) to 1048576")
+        return self._running_worker_for(job_id).submit_group(group_id, prompt, concurrency_cap)
+
+    def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
+        if not 0 <= wait_s <= MAX_EVENT_WAIT_S or since_seq < 0:
+            raise ValueError(f"wait_s: 0-{MAX_EVENT_WAIT_S:.0f} seconds and since_seq >= 0 "
+                             "required")
+        return self._worker_for(job_id).wait_events(since_seq, wait_s)
 
     def stats(self, job_id: str) -> tuple[RolloutCounters, float, str, str]:
         """A job's stats; with an empty job_id, this worker's latest job, or `idle`

@@ -108,6 +108,15 @@ class VllmEngine:
             stat_loggers = [_load_recorder(self.load)]
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The KV cache's capacity in tokens (blocks x block size), as the engine
+        sized it at start; 0 if it does not say. Budget_i of token-budget
+        admission (paper §6.1)."""
+        cache = getattr(getattr(self._engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None) or 0
+        return int(blocks) * int(getattr(cache, "block_size", 0) or 0)
+
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenDelta]:

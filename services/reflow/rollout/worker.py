@@ -1,15 +1,16 @@
 """The rollout worker: turns prompts into scored trajectories, one sample at a
 time, and pushes every finished group to the replay buffer (paper §4.1
-steps 1-2).
+step 2).
 
-The worker owns an asyncio loop on its own thread. Its hot loop admits GRPO
-groups while fewer than `max_inflight_samples` samples are in flight and the
-job's dispatch budget allows (B_max per training step, one budget for all the
-job's rollout workers, kept by the replay buffer: see `dispatch_limits`); each
-sample streams from the engine, and when a group's last sample finishes the
-group is scored, given group-normalised advantages and put. The worker knows
-nothing of training steps; it learns of new policy versions only through
-`update_weights`.
+The worker only generates. What to generate, and how much at once, is the
+job's dispatcher's call (reflow.scheduler.dispatch, paper §6.1): it submits
+GRPO groups by id (`submit_group`, idempotent) and follows each sample's end
+through the worker's event log (`wait_events`), which is how it frees that
+sample's concurrency slot the moment it ends, not when the slowest sample of
+its group does. When a group's last sample finishes the group is scored,
+given group-normalised advantages and put. The worker knows nothing of
+training steps; it learns of new policy versions only through
+`update_weights`, and a group submitted during an update waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-import uuid
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,11 +33,15 @@ from reflow.rollout.tasks import Prompt, Task
 
 logger = logging.getLogger(__name__)
 
-# How often the loop asks the buffer for dispatch budget when it has none (backing
-# off to the maximum while none comes, back to the minimum on a grant or a new
-# policy version), and how often the engine's batch occupancy is sampled.
-DISPATCH_POLL_S, DISPATCH_POLL_MAX_S = 0.01, 0.04
+# How often the engine's batch occupancy and KV-cache use are sampled, and how
+# long after a weight update the engine's preemptions are the update's.
 OCCUPANCY_TICK_S = 0.02
+SYNC_PREEMPTION_WINDOW_S = 0.25
+# Sample and group events kept for the dispatcher to read (a reconnecting reader
+# resumes from its last sequence number within this window), and group ids
+# remembered so that a retried submission is not generated twice.
+EVENT_LOG_SIZE = 65536
+GROUP_MEMORY = 16384
 
 
 @dataclass
@@ -69,6 +74,32 @@ class RolloutCounters:
     occupancy_seconds_total: float = 0.0
     # Seconds the engine took to build: start-up, reported apart from the steady state.
     engine_startup_s: float = 0.0
+    # The engine's KV-cache use integrated over time (its rate is the mean use),
+    # and the requests it preempted for room: the concurrency controller's inputs
+    # (§6.1). Preemptions of a weight update (the pause drops every running
+    # request's KV cache) are counted apart: they say nothing about congestion.
+    kv_usage_seconds_total: float = 0.0
+    preempted_requests_total: int = 0
+    sync_preempted_requests_total: int = 0
+    # The engine's KV-cache capacity in tokens (Budget_i of §6.1); 0 when unknown.
+    kv_cache_tokens: int = 0
+    # The concurrency cap the dispatcher last gave this worker.
+    concurrency_cap: int = 0
+
+
+@dataclass(frozen=True)
+class SampleEvent:
+    """What the dispatcher learns from a worker: a sample ended (`sample_index`
+    >= 0, with its token counts), or a group was put to the buffer
+    (`sample_index` -1; `error` set if it failed instead)."""
+
+    seq: int
+    group_id: str
+    sample_index: int
+    response_tokens: int = 0
+    prompt_tokens: int = 0
+    policy_version: int = 0
+    error: str = ""
 
 
 class RolloutWorker:
@@ -101,11 +132,21 @@ class RolloutWorker:
         self._thread = threading.Thread(target=self._run_loop, name="rollout-loop", daemon=True)
         self._stopping = False
         self._paused = False
+        # Engine preemptions seen until this time are the weight update's (see
+        # _measure_occupancy): the engine reports them on its first steps after resuming.
+        self._sync_preemption_until = 0.0
         self._idle_since: float | None = time.monotonic()
         self._group_tasks: set[asyncio.Task] = set()
-        # Set on the worker loop when a slot frees or a version loads: admission
-        # looks again at once.
-        self._wake = asyncio.Event()
+        # Set while no weight update is in progress; a submitted group waits on it.
+        self._resumed: asyncio.Event | None = None
+        # Samples past that wait: generating under the loaded version (loop thread only).
+        self._generating = 0
+        # The event log the dispatcher reads, and the group ids seen (idempotence).
+        self._events: deque[SampleEvent] = deque(maxlen=EVENT_LOG_SIZE)
+        self._event_seq = 0
+        self._events_cond = threading.Condition()
+        self._groups: OrderedDict[str, None] = OrderedDict()
+        self.counters.concurrency_cap = spec.concurrency_cap
         self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
         # Weight-sync state machine: none -> initialising -> ready; one update at a
         # time, versions strictly in order (see update_weights).
@@ -139,12 +180,13 @@ class RolloutWorker:
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
             self.ready.set()
             return
+        self.counters.kv_cache_tokens = int(getattr(self.engine, "kv_cache_tokens", 0) or 0)
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.state = "running"
         self.ready.set()
-        # Both cancelled with the groups by stop().
-        self._group_tasks.add(asyncio.current_task())
+        # Cancelled with the groups by stop().
         self._group_tasks.add(asyncio.create_task(self._measure_occupancy()))
-        await self._generate_forever()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if not self._thread.is_alive():
@@ -244,10 +286,13 @@ class RolloutWorker:
         # new version.
         t0 = time.perf_counter()
         self._paused = True
+        self._resumed.clear()
         if not self.spec.rollout.partial_rollout:
             # Whole samples under one version (verl one_step_off): admit nothing more
             # and let what is in flight finish under the old weights first.
-            while self.counters.inflight_samples > 0 and not self._stopping:
+            # Only samples that started: a group submitted meanwhile waits for the
+            # update (on _resumed) and would never finish under the old weights.
+            while self._generating > 0 and not self._stopping:
                 await asyncio.sleep(OCCUPANCY_TICK_S / 4)
         await self.engine.pause()
         # Let the output handler hand over tokens generated before the pause.
@@ -261,15 +306,16 @@ class RolloutWorker:
             raise
         self.counters.policy_version = policy_version
         await self.engine.resume()
+        self._sync_preemption_until = time.monotonic() + SYNC_PREEMPTION_WINDOW_S
         self._paused = False
-        self._wake.set()
+        self._resumed.set()
         logger.info(
             "job %s: policy version %d loaded (pause %.3fs, receive %.3fs)",
             self.job_id, policy_version, t1 - t0, receive_s,
         )
         return t1 - t0, receive_s
 
-    # --- the loop ------------------------------------------------------------------
+    # --- groups and events (called from gRPC threads) -------------------------------
 
     def _mark_busy(self) -> None:
         if self._idle_since is not None:
@@ -281,66 +327,51 @@ class RolloutWorker:
         extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
         return self.counters.idle_seconds_total + extra
 
-    def dispatch_limits(self) -> tuple[int, int]:
-        """The job's dispatch bounds for this worker's policy version (paper §4.1 step 1),
-        as the replay buffer applies them (see ReplayStore.acquire_dispatch):
-        - outstanding (dispatched, not yet trained or evicted) at most B_max per step
-          for 1 + look-ahead versions' worth of steps;
-        - dispatched less evicted at most B_max per step for the steps up to this
-          version plus the look-ahead (0 in sync, 1 in one_step_off, δ in the
-          asynchronous modes). This one keeps sync on-policy: nothing starts
-          between the trainer's release and the new weights arriving here.
-        Evictions refund both, so a job can never starve itself of a batch."""
-        per_version = self.spec.samples_per_step * self.spec.trainer.sync_interval
-        ahead = self.spec.dispatch_ahead_versions
-        return (per_version * (1 + ahead),
-                per_version * (self.counters.policy_version + 1 + ahead))
+    def submit_group(self, group_id: str, prompt: Prompt, concurrency_cap: int = 0) -> bool:
+        """Start generating one GRPO group for `prompt`. Idempotent by `group_id`: a
+        group already submitted is not generated again (False). `concurrency_cap` is
+        the cap the dispatcher holds this worker to, for the occupancy measure."""
+        if self.state != "running":
+            raise FailedPrecondition(f"rollout worker is {self.state}"
+                                     + (f": {self.error}" if self.error else ""))
+        if not group_id or len(group_id) > 64:
+            raise ValueError("group_id: 1-64 characters required")
+        with self._events_cond:
+            if group_id in self._groups:
+                return False
+            self._groups[group_id] = None
+            while len(self._groups) > GROUP_MEMORY:
+                self._groups.popitem(last=False)
+            if concurrency_cap > 0:
+                self.counters.concurrency_cap = concurrency_cap
+            self.counters.inflight_samples += self.spec.rollout.group_size
+        self._loop.call_soon_threadsafe(self._start_group, group_id, prompt)
+        return True
 
-    async def _generate_forever(self) -> None:
-        prompts = self.task.prompts()
-        group_size = self.spec.rollout.group_size
-        concurrency = self.spec.rollout.max_inflight_samples
-        granted = 0  # granted by the buffer, not yet started (a pause came between)
-        poll_s = DISPATCH_POLL_S
-        try:
-            while not self._stopping:
-                # Admit whole GRPO groups while (a) the worker's concurrency cap leaves
-                # room and (b) the job's dispatch budget does: the budget is what
-                # bounds how far rollout runs ahead of training.
-                room = (concurrency - self.counters.inflight_samples) // group_size * group_size
-                refused = False
-                if room and not self._paused and granted < room:
-                    outstanding_limit, version_limit = self.dispatch_limits()
-                    got = await asyncio.to_thread(
-                        self.replay.acquire_dispatch, self.job_id, room - granted, group_size,
-                        outstanding_limit, version_limit)
-                    granted, refused = granted + got, got == 0
-                if granted >= group_size and room and not self._paused:
-                    for _ in range(min(granted, room) // group_size):
-                        self._admit(next(prompts))
-                        granted -= group_size
-                    poll_s = DISPATCH_POLL_S
-                    continue
-                # Back off only while the budget refuses; a freed slot or a new
-                # version wakes the loop at once.
-                if not refused:
-                    poll_s = DISPATCH_POLL_S
-                try:
-                    await asyncio.wait_for(self._wake.wait(), poll_s)
-                    poll_s = DISPATCH_POLL_S
-                except TimeoutError:
-                    if refused:
-                        poll_s = min(2 * poll_s, DISPATCH_POLL_MAX_S)
-                self._wake.clear()
-        except Exception as err:  # noqa: BLE001 - reported through GetStats
-            logger.exception("rollout loop failed")
-            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+    def wait_events(self, since_seq: int, timeout_s: float) -> list[SampleEvent]:
+        """Events after `since_seq`, waiting up to `timeout_s` for the first. A reader
+        that fell further behind than the log keeps gets what is left."""
+        deadline = time.monotonic() + timeout_s
+        with self._events_cond:
+            while self._event_seq <= since_seq and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._events_cond.wait(left)
+            return [e for e in self._events if e.seq > since_seq]
 
-    def _admit(self, prompt: Prompt) -> None:
-        group_size = self.spec.rollout.group_size
-        self.counters.inflight_samples += group_size
+    def _emit(self, group_id: str, sample_index: int, response_tokens: int = 0,
+              prompt_tokens: int = 0, error: str = "") -> None:
+        with self._events_cond:
+            self._event_seq += 1
+            self._events.append(SampleEvent(self._event_seq, group_id, sample_index,
+                                            response_tokens, prompt_tokens,
+                                            self.counters.policy_version, error))
+            self._events_cond.notify_all()
+
+    def _start_group(self, group_id: str, prompt: Prompt) -> None:
         self._mark_busy()
-        task = asyncio.create_task(self._run_group(prompt))
+        task = asyncio.create_task(self._run_group(group_id, prompt))
         self._group_tasks.add(task)
         task.add_done_callback(self._group_tasks.discard)
 
@@ -348,44 +379,59 @@ class RolloutWorker:
         """Integrate the engine's batch occupancy: requests it is running (its own
         scheduler's count where it reports one) over the concurrency cap. Samples
         that wait in our queue or in a paused engine do not count as busy."""
-        cap = self.spec.rollout.max_inflight_samples
         last = time.monotonic()
+        seen_preempted = 0
         while True:
             await asyncio.sleep(OCCUPANCY_TICK_S)
             now = time.monotonic()
+            cap = max(1, self.counters.concurrency_cap)
             load = getattr(self.engine, "load", None)
             running = self.counters.inflight_samples
             if load is not None:
                 running = min(running, load.running_requests)
+                self.counters.kv_usage_seconds_total += (now - last) * load.kv_cache_usage_ratio
+                new = load.preempted_requests_total - seen_preempted
+                seen_preempted = load.preempted_requests_total
+                if self._paused or now < self._sync_preemption_until:
+                    self.counters.sync_preempted_requests_total += new
+                else:
+                    self.counters.preempted_requests_total += new
             if self._paused:
                 running = 0
             self.counters.occupancy_seconds_total += (now - last) * min(1.0, running / cap)
             last = now
 
-    async def _run_group(self, prompt: Prompt) -> None:
-        group_id = uuid.uuid4().hex[:16]
+    async def _run_group(self, group_id: str, prompt: Prompt) -> None:
         group_size = self.spec.rollout.group_size
         try:
             prompt_ids = self.encode(prompt.text)
         except Exception as err:  # noqa: BLE001 - no sample started: give every slot back
             self._free_slots(group_size)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            self._emit(group_id, -1, error=self.error)
             return
         try:
+            # Partial rollout: a group submitted during a weight update starts after it.
+            await self._resumed.wait()
+            self._generating += group_size
             samples = await asyncio.gather(
-                *(self._run_sample(f"{group_id}-{i}", prompt_ids) for i in range(group_size))
+                *(self._run_sample(group_id, i, prompt_ids) for i in range(group_size))
             )
             trajectories = self._score(group_id, prompt, prompt_ids, samples)
             await asyncio.to_thread(self.replay.put, self.job_id, trajectories)
+            self._emit(group_id, -1)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001
             logger.exception("job %s: group %s failed", self.job_id, group_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            self._emit(group_id, -1, error=self.error)
 
-    async def _run_sample(self, request_id: str, prompt_ids: list[int]) -> _Sample:
-        """One sample; its concurrency slot is freed the moment it finishes, not when
-        the slowest sample of its group does (sample-level streaming, paper §4.1)."""
+    async def _run_sample(self, group_id: str, index: int, prompt_ids: list[int]) -> _Sample:
+        """One sample; its end is an event at once, so the dispatcher frees its
+        concurrency slot then, not when the slowest sample of its group ends
+        (sample-level streaming, paper §4.1)."""
+        request_id = f"{group_id}-{index}"
         sample = _Sample()
         sampling = SamplingSpec(
             max_tokens=self.spec.rollout.max_tokens, temperature=self.spec.rollout.temperature
@@ -397,15 +443,17 @@ class RolloutWorker:
                 if delta.finished:
                     sample.finish_reason = delta.finish_reason or "stop"
             self.counters.finished_samples_total += 1
+            self._emit(group_id, index, len(sample.response_ids), len(prompt_ids))
             return sample
         finally:
+            self._generating -= 1
             self._free_slots(1)
 
     def _free_slots(self, n: int) -> None:
-        self.counters.inflight_samples -= n
-        self._wake.set()
-        if self.counters.inflight_samples == 0:
-            self._idle_since = time.monotonic()
+        with self._events_cond:
+            self.counters.inflight_samples -= n
+            if self.counters.inflight_samples == 0:
+                self._idle_since = time.monotonic()
 
     def _score(
         self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[_Sample]
@@ -431,6 +479,8 @@ class RolloutWorker:
         ]
 
     async def _cancel_all(self) -> None:
+        with self._events_cond:
+            self._events_cond.notify_all()  # readers return at once (_stopping is set)
         for task in list(self._group_tasks):
             task.cancel()
         self._group_tasks.discard(asyncio.current_task())

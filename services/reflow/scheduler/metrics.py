@@ -39,6 +39,44 @@ class SchedulerCollector:
         for reason, n in sorted(self.scheduler.backend.api_errors.items()):
             errors.add_metric([reason], n)
         yield errors
+        yield from self._dispatch()
+
+    def _dispatch(self):
+        """The adaptive generation scheduler of each running job (paper §6.1)."""
+        caps = GaugeMetricFamily("reflow_scheduler_concurrency_cap",
+                                 "Each rollout worker's concurrency cap.", labels=["job_id", "worker"])
+        inflight = GaugeMetricFamily("reflow_scheduler_dispatched_inflight_samples",
+                                     "Samples dispatched to a worker and not yet ended.",
+                                     labels=["job_id", "worker"])
+        tokens = GaugeMetricFamily("reflow_scheduler_predicted_kv_tokens",
+                                   "T_pred: KV tokens a worker's in-flight samples are predicted "
+                                   "to hold.", labels=["job_id", "worker"])
+        rejections = CounterMetricFamily(
+            "reflow_scheduler_admission_rejections", "Routing attempts of a group that no worker "
+            "could take, by what refused it (cap or tokens).", labels=["job_id", "reason"])
+        changes = CounterMetricFamily("reflow_scheduler_concurrency_cap_changes",
+                                      "Concurrency-cap moves, by reason.",
+                                      labels=["job_id", "reason"])
+        placement = CounterMetricFamily(
+            "reflow_scheduler_placement_recommendations", "Rebalances Algorithm 1 chose (paper "
+            "§6.2), by reason (more_rollout, more_trainer); recorded, not yet carried out.",
+            labels=["job_id", "reason"])
+        groups = CounterMetricFamily("reflow_scheduler_dispatched_groups",
+                                     "Groups dispatched, by worker.", labels=["job_id", "worker"])
+        for job_id, snap in sorted(self.scheduler.dispatch_snapshots().items()):
+            for name, w in snap["workers"].items():
+                caps.add_metric([job_id, name], w["cap"])
+                inflight.add_metric([job_id, name], w["inflight"])
+                tokens.add_metric([job_id, name], w["predicted_tokens"])
+            for reason, n in snap["admission_rejections"].items():
+                rejections.add_metric([job_id, reason], n)
+            for reason, n in snap["cap_changes"].items():
+                changes.add_metric([job_id, reason], n)
+            for name, n in snap["dispatched_groups"].items():
+                groups.add_metric([job_id, name], n)
+            for reason, n in snap["placement_recommendations"].items():
+                placement.add_metric([job_id, reason], n)
+        yield from (caps, inflight, tokens, rejections, changes, groups, placement)
 
 
 def scheduler_registry(scheduler) -> CollectorRegistry:

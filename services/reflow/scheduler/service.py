@@ -20,7 +20,11 @@ from reflow.core.config import JobSpec, check_job_id
 from reflow.core.errors import Conflict, NoCapacity, ResourceExhausted
 from reflow.core.limits import OperatorLimits
 from reflow.core.paths import PathRoots
+from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
+from reflow.rollout.tasks import build_task
+from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
 from reflow.trainer.client import GrpcTrainerClient
@@ -46,6 +50,7 @@ class Scheduler:
         self._stops: dict[str, threading.Event] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._placements: dict[str, Placement] = {}
+        self._dispatchers: dict[str, Dispatcher] = {}
         self._lock = threading.Lock()
 
     def recover(self) -> None:
@@ -139,6 +144,12 @@ class Scheduler:
         return {"rollout": sum(len(p.rollout_addresses) for p in placements),
                 "trainer": len(placements)}
 
+    def dispatch_snapshots(self) -> dict[str, dict]:
+        """Each running job's dispatcher state: caps, loads, decision counters."""
+        with self._lock:
+            dispatchers = dict(self._dispatchers)
+        return {job_id: d.snapshot() for job_id, d in dispatchers.items()}
+
     def shutdown(self) -> None:
         for job_id in list(self._stops):
             self._stops[job_id].set()
@@ -148,8 +159,34 @@ class Scheduler:
 
     # --- one job ---------------------------------------------------------------------
 
+    def _start_dispatcher(self, record: JobRecord, placement: Placement,
+                          rollouts: list[GrpcRolloutClient], run_dir: Path) -> Dispatcher:
+        """The job's one dispatcher (reflow.scheduler.dispatch): its prompt stream,
+        seeded once for the job, and every rollout worker to route to."""
+        spec = JobSpec.model_validate_json(record.spec_json)
+        task = build_task(spec.task.name, spec.task.max_count, spec.task.num_symbols,
+                          seed=spec.seed + 1)
+        dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
+                                dict(zip(placement.rollout_addresses, rollouts)), task,
+                                events_path=run_dir / "scheduler_events.jsonl")
+        with self._lock:
+            self._dispatchers[record.job_id] = dispatcher
+        dispatcher.start()
+        return dispatcher
+
+    @staticmethod
+    def _planner(spec: JobSpec, total_workers: int) -> PlacementPlanner | None:
+        """Algorithm 1's planner for the job (paper §6.2), when placement is on."""
+        if not spec.scheduler.enabled("placement") or total_workers < 2:
+            return None
+        policy = PlacementPolicy(replay_cap=spec.replay.replay_cap,
+                                 cooldown_steps=spec.scheduler.placement_cooldown_steps,
+                                 min_gain=spec.scheduler.placement_min_gain)
+        return PlacementPlanner(policy, total_workers)
+
     def _run_job(self, record: JobRecord, stop: threading.Event) -> None:
         placement: Placement | None = None
+        dispatcher: Dispatcher | None = None
         run_dir = Path(record.run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,14 +209,22 @@ class Scheduler:
                                  rank, len(rollouts) + 1, trainer_host)
             trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
                               placement.rollout_addresses, str(run_dir))
-            record.phase, record.reason = self._watch(record, placement, trainer, rollouts, stop)
+            dispatcher = self._start_dispatcher(record, placement, rollouts, run_dir)
+            planner = self._planner(JobSpec.model_validate_json(record.spec_json),
+                                    len(rollouts) + 1)
+            record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
+                                                      dispatcher, stop, planner)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
             logger.exception("job %s failed", record.job_id)
             record.phase, record.reason = "FAILED", f"{type(err).__name__}: {err}"
         finally:
+            if dispatcher is not None:
+                dispatcher.stop()
+                dispatcher.replay.close()
             if placement is not None:
                 with self._lock:
                     self._placements.pop(record.job_id, None)
+                    self._dispatchers.pop(record.job_id, None)
                 self.backend.release(placement)
             record.finished_at = time.time()
             self.store.save(record)
@@ -202,7 +247,9 @@ class Scheduler:
                 return None
 
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
-               rollouts: list[GrpcRolloutClient], stop: threading.Event) -> tuple[str, str]:
+               rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
+               stop: threading.Event,
+               planner: PlacementPlanner | None = None) -> tuple[str, str]:
         while True:
             if stop.wait(POLL_INTERVAL_S):
                 trainer.stop_job(record.job_id)
@@ -218,12 +265,46 @@ class Scheduler:
                 stats = client.stats(record.job_id)
                 if stats.state == "failed":
                     return "FAILED", f"rollout: {stats.error}"
+            if dispatcher.error:
+                trainer.stop_job(record.job_id)
+                return "FAILED", f"dispatcher: {dispatcher.error}"
             status = trainer.status(record.job_id, since_step=record.step)
+            if planner is not None:
+                self._observe_placement(planner, dispatcher, status.metrics)
             self._update_progress(record, status)
             if status.state == "succeeded":
                 return "SUCCEEDED", ""
             if status.state == "failed":
                 return "FAILED", f"trainer: {status.error}"
+
+    @staticmethod
+    def _observe_placement(planner: PlacementPlanner, dispatcher: Dispatcher,
+                           records: list[dict]) -> None:
+        """Feed each new training step to Algorithm 1 (paper §6.2) and record its
+        decision: in the job's scheduling events and on the step's metrics record.
+        Moving workers between roles is the elastic pool's (role flips); until a
+        job can flip roles a decision to rebalance is recorded, not carried out
+        (`carried_out: false`)."""
+        for m in records:
+            if "generated_samples" not in m or m.get("step_time_s", 0) <= 0:
+                continue
+            window = WindowMeasurement(
+                step=int(m["step"]), window_s=float(m["step_time_s"]),
+                rollout_workers=int(m.get("rollout_workers", 1)), trainer_workers=1,
+                produced_samples=float(m["generated_samples"]),
+                consumed_samples=float(m["fresh_samples"] + m["stale_samples"]
+                                       + m["replay_samples"]),
+                rollout_blocked_ratio=min(1.0, float(m["rollout_idle_ratio"])),
+                trainer_idle_ratio=min(1.0, float(m["trainer_idle_ratio"])))
+            decision = planner.observe(window)
+            event = {"event": "placement", **decision.as_event(),
+                     "carried_out": False}
+            if decision.action == "rebalance":
+                dispatcher.placement_recommendations[decision.reason] += 1
+            dispatcher.record(event)
+            m["placement_action"], m["placement_reason"] = decision.action, decision.reason
+            if decision.current is not None:
+                m["placement_predicted_coverage"] = decision.current.predicted_coverage
 
     def _update_progress(self, record: JobRecord, status) -> None:
         m = status.last_metrics

@@ -342,16 +342,19 @@ class TrainLoop:
         self.replay.publish_version(self.job_id, version)
         return time.monotonic() - t0
 
-    def _rollout_totals(self) -> tuple[float, float]:
-        """Idle seconds and occupancy seconds, summed over the rollout workers."""
+    def _rollout_totals(self) -> tuple[float, float, float, float]:
+        """Idle seconds, occupancy seconds, generated tokens and finished samples,
+        summed over the rollout workers."""
         stats = [c.stats(self.job_id) for c in self.rollouts]
         return (sum(s.idle_seconds_total for s in stats),
-                sum(s.occupancy_seconds_total for s in stats))
+                sum(s.occupancy_seconds_total for s in stats),
+                float(sum(s.generated_tokens_total for s in stats)),
+                float(sum(s.finished_samples_total for s in stats)))
 
     def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, step_s: float,
                  rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
         loss_stats, grad_norm = stats
-        rollout_idle_s, occupancy_s = rollout_delta
+        rollout_idle_s, occupancy_s, generated_tokens, finished_samples = rollout_delta
         trajs = batch.trajectories
         trained_tokens = sum(t.num_tokens for t in trajs)
         # Staleness against the version the batch was leased (and trained) under,
@@ -384,6 +387,13 @@ class TrainLoop:
             # The engines' measured batch occupancy over this step (running requests
             # over the concurrency cap), averaged over the workers.
             "rollout_utilisation": min(1.0, occupancy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
+            # Tokens the engines generated during this step (kept or not): generation
+            # throughput, the adaptive scheduler's yardstick (paper §6.1).
+            "generated_tokens": int(generated_tokens),
+            # Samples the engines finished during this step: production, for placement.
+            "generated_samples": int(finished_samples),
+            "rollout_workers": num_workers,
+            "generation_tokens_per_s": generated_tokens / step_s if step_s > 0 else 0.0,
             "fresh_samples": fresh,
             "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed,

@@ -7,6 +7,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SubmitGroupRequest(_message.Message):
+    __slots__ = ("job_id", "group_id", "prompt_id", "prompt_text", "prompt_answer", "concurrency_cap")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_CAP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    prompt_id: str
+    prompt_text: str
+    prompt_answer: str
+    concurrency_cap: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_answer: _Optional[str] = ..., concurrency_cap: _Optional[int] = ...) -> None: ...
+
+class SubmitGroupReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class WaitSamplesRequest(_message.Message):
+    __slots__ = ("job_id", "since_seq", "wait_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    since_seq: int
+    wait_s: float
+    def __init__(self, job_id: _Optional[str] = ..., since_seq: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class SampleEvent(_message.Message):
+    __slots__ = ("seq", "group_id", "sample_index", "response_tokens", "prompt_tokens", "policy_version", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    group_id: str
+    sample_index: int
+    response_tokens: int
+    prompt_tokens: int
+    policy_version: int
+    error: str
+    def __init__(self, seq: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., response_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SampleEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SampleEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SampleEvent, _Mapping]]] = ...) -> None: ...
+
 class TensorMeta(_message.Message):
     __slots__ = ("name", "shape", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -56,7 +112,7 @@ class UpdateWeightsReply(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., pause_s: _Optional[float] = ..., receive_s: _Optional[float] = ...) -> None: ...
 
 class RolloutStats(_message.Message):
-    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total", "engine_startup_s")
+    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total", "engine_startup_s", "kv_usage_seconds_total", "preempted_requests_total", "kv_cache_tokens", "concurrency_cap")
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +122,10 @@ class RolloutStats(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OCCUPANCY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_CAP_FIELD_NUMBER: _ClassVar[int]
     generated_tokens_total: int
     finished_samples_total: int
     idle_seconds_total: float
@@ -75,4 +135,8 @@ class RolloutStats(_message.Message):
     error: str
     occupancy_seconds_total: float
     engine_startup_s: float
-    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ..., engine_startup_s: _Optional[float] = ...) -> None: ...
+    kv_usage_seconds_total: float
+    preempted_requests_total: int
+    kv_cache_tokens: int
+    concurrency_cap: int
+    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ..., engine_startup_s: _Optional[float] = ..., kv_usage_seconds_total: _Optional[float] = ..., preempted_requests_total: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., concurrency_cap: _Optional[int] = ...) -> None: ...

@@ -62,6 +62,16 @@ class RolloutStub:
                 request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_rollout__pb2.RolloutStats.FromString,
                 _registered_method=True)
+        self.SubmitGroup = channel.unary_unary(
+                '/reflow.v1.Rollout/SubmitGroup',
+                request_serializer=reflow_dot_v1_dot_rollout__pb2.SubmitGroupRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_rollout__pb2.SubmitGroupReply.FromString,
+                _registered_method=True)
+        self.WaitSamples = channel.unary_unary(
+                '/reflow.v1.Rollout/WaitSamples',
+                request_serializer=reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_rollout__pb2.SampleEvents.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -101,6 +111,21 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitGroup(self, request, context):
+        """Generate one GRPO group (the job's dispatcher calls this; idempotent by group_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitSamples(self, request, context):
+        """Long poll: sample and group events after since_seq (how the dispatcher frees
+        a sample's concurrency slot when it ends).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +153,16 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
                     response_serializer=reflow_dot_v1_dot_rollout__pb2.RolloutStats.SerializeToString,
+            ),
+            'SubmitGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitGroup,
+                    request_deserializer=reflow_dot_v1_dot_rollout__pb2.SubmitGroupRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_rollout__pb2.SubmitGroupReply.SerializeToString,
+            ),
+            'WaitSamples': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitSamples,
+                    request_deserializer=reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_rollout__pb2.SampleEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +302,60 @@ class Rollout:
             '/reflow.v1.Rollout/GetStats',
             reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
             reflow_dot_v1_dot_rollout__pb2.RolloutStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Rollout/SubmitGroup',
+            reflow_dot_v1_dot_rollout__pb2.SubmitGroupRequest.SerializeToString,
+            reflow_dot_v1_dot_rollout__pb2.SubmitGroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitSamples(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Rollout/WaitSamples',
+            reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.SerializeToString,
+            reflow_dot_v1_dot_rollout__pb2.SampleEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,356 @@
+"""The job's one global dispatcher (paper §4.1 step 1 and §6.1).
+
+The scheduler runs one `Dispatcher` per running job. It owns the job's prompt
+stream, so each prompt is dispatched once whatever the number of rollout
+workers; it takes dispatch budget from the replay buffer (one B_max budget for
+the job, `JobSpec.dispatch_limits`, refunded by evictions); and it routes each
+GRPO group to the least-loaded admissible worker (`generation.route`). Workers
+only generate. It learns that a sample ended from the worker's event log (a
+long poll per worker) and frees that sample's concurrency slot then. A slow
+loop reads each worker's KV-cache use and preemptions and moves its
+concurrency cap (`generation.ConcurrencyController`).
+
+Budget and versions: the budget's version bound uses the version the buffer
+has published, which the trainer publishes only after every rollout worker has
+loaded it; so in sync mode nothing is dispatched between the trainer's release
+and the new weights reaching every worker.
+
+Threads: one dispatch loop, one event reader per worker, one control loop;
+all state under one condition variable. A worker that cannot be reached is
+retried; one that keeps failing is taken out of routing (the job's watcher
+fails the job when a worker process dies).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from reflow.core.config import JobSpec
+from reflow.replay.client import ReplayClient
+from reflow.rollout.client import RolloutStats
+from reflow.rollout.tasks import Prompt, Task
+from reflow.rollout.worker import SampleEvent
+from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
+                                         route)
+
+logger = logging.getLogger(__name__)
+
+# Budget polling while the buffer refuses (backing off to the maximum), the
+# long-poll wait for worker events, and submission retries before a worker is
+# taken out of routing.
+BUDGET_POLL_S, BUDGET_POLL_MAX_S = 0.01, 0.04
+EVENT_WAIT_S = 1.0
+SUBMIT_ATTEMPTS, SUBMIT_RETRY_S = 5, 0.5
+READY_POLL_S = 0.2
+ROUTE_RETRY_S = 0.25
+
+
+class WorkerClient(Protocol):
+    """What the dispatcher needs of a rollout worker (GrpcRolloutClient or
+    InprocRolloutClient)."""
+
+    def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
+                     concurrency_cap: int = 0) -> bool: ...
+
+    def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]: ...
+
+    def stats(self, job_id: str) -> RolloutStats: ...
+
+
+@dataclass
+class _Group:
+    worker: WorkerLoad
+    prompt: Prompt
+    # Predicted KV tokens per sample (prompt + T̂), released as each sample ends.
+    tokens_per_sample: float
+    remaining: int
+
+
+class Dispatcher:
+    def __init__(self, job_id: str, spec: JobSpec, replay: ReplayClient,
+                 workers: dict[str, WorkerClient], task: Task,
+                 events_path: Path | None = None) -> None:
+        """`workers`: name -> client of each rollout worker of the job; `task` the
+        job's prompt stream (seeded once for the job); `events_path` a JSONL file
+        that receives every scheduling decision (None: the log only)."""
+        if not workers:
+            raise ValueError("workers: a job needs at least one rollout worker")
+        self.job_id, self.spec, self.replay, self.task = job_id, spec, replay, task
+        self.clients = dict(workers)
+        self.events_path = events_path
+        self.group_size = spec.rollout.group_size
+        self.token_admission = spec.scheduler.enabled("token_admission")
+        self.concurrency_control = spec.scheduler.enabled("concurrency_control")
+        self.controller = ConcurrencyController.from_spec(spec)
+        self.lengths = LengthEstimator(spec.rollout.max_tokens, spec.scheduler.ewma_alpha)
+        initial_cap = spec.concurrency_cap
+        if self.concurrency_control:
+            initial_cap = min(max(initial_cap, self.controller.min_cap), self.controller.max_cap)
+        # Routed to once its engine runs (a worker starts generating tens of
+        # seconds after the job starts).
+        self.loads = {name: WorkerLoad(name, initial_cap, routable=False) for name in workers}
+        self._unready = set(workers)
+        self._ready_checked = 0.0
+        self._prompts = task.prompts()
+        self._next_prompt: Prompt | None = None  # drawn, not yet dispatched
+        self._groups: dict[str, _Group] = {}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._granted = 0  # budget granted by the buffer, not yet routed
+        self._encode_len: dict[str, int] = {}
+        # Counters for metrics and tests.
+        self.dispatched_groups: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+        self.cap_changes: Counter[str] = Counter()
+        # Algorithm 1's rebalance decisions (recorded by the scheduler), by reason.
+        self.placement_recommendations: Counter[str] = Counter()
+        self.error = ""
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        targets = [("dispatch", self._dispatch_loop, ()), ("control", self._control_loop, ())]
+        targets += [(f"events-{name}", self._event_loop, (name,)) for name in self.clients]
+        for label, target, args in targets:
+            thread = threading.Thread(target=self._guard, args=(target, args),
+                                      name=f"dispatch-{self.job_id[:20]}-{label}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout_s)
+
+    def _guard(self, target, args) -> None:
+        try:
+            target(*args)
+        except Exception as err:  # noqa: BLE001 - reported through snapshot(); the job watcher acts
+            logger.exception("job %s: dispatcher thread failed", self.job_id)
+            self.error = f"{type(err).__name__}: {err}"
+
+    def snapshot(self) -> dict:
+        """Caps, loads and counters, for metrics and the job's status."""
+        with self._cond:
+            return {
+                "workers": {n: {"cap": w.cap, "inflight": w.inflight,
+                                "predicted_tokens": round(w.predicted_tokens, 1),
+                                "kv_budget_tokens": w.kv_budget_tokens,
+                                "utilisation_ewma": w.utilisation_ewma,
+                                "preemption_ewma": w.preemption_ewma,
+                                "routable": w.routable}
+                            for n, w in self.loads.items()},
+                "dispatched_groups": dict(self.dispatched_groups),
+                "admission_rejections": dict(self.rejections),
+                "cap_changes": dict(self.cap_changes),
+                "placement_recommendations": dict(self.placement_recommendations),
+                "predicted_response_tokens": self.lengths.predict(""),
+                "error": self.error,
+            }
+
+    # --- the fast path ----------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        """Make workers whose engine now runs routable (at most every READY_POLL_S)."""
+        now = time.monotonic()
+        if now - self._ready_checked < READY_POLL_S:
+            return
+        self._ready_checked = now
+        for name in sorted(self._unready):
+            try:
+                stats = self.clients[name].stats(self.job_id)
+            except Exception as err:  # noqa: BLE001 - not up yet
+                logger.debug("job %s: %s not up yet: %s", self.job_id, name, err)
+                continue
+            if stats.state == "running":
+                with self._cond:
+                    self._unready.discard(name)
+                    self.loads[name].routable = True
+                    self.loads[name].kv_budget_tokens = stats.kv_cache_tokens
+                self.record({"event": "worker_ready", "worker": name,
+                              "kv_budget_tokens": stats.kv_cache_tokens})
+
+    def _dispatch_loop(self) -> None:
+        poll_s = BUDGET_POLL_S
+        while not self._stop.is_set():
+            if self._unready:
+                self._check_ready()
+            with self._cond:
+                room = sum(max(0, w.cap - w.inflight) for w in self.loads.values() if w.routable)
+                want = (room - self._granted) // self.group_size * self.group_size
+                if self._granted < self.group_size and any(w.routable for w in self.loads.values()):
+                    # One group in hand even when every cap is full: it goes out the
+                    # moment a sample ends, and a cap that turns it away is the
+                    # controller's evidence that the cap, not the budget, binds.
+                    want = max(want, self.group_size)
+            refused = False
+            if want >= self.group_size:
+                version = self.replay.stats(self.job_id).policy_version
+                got = self.replay.acquire_dispatch(self.job_id, want, self.group_size,
+                                                   *self.spec.dispatch_limits(version))
+                refused = got == 0
+                with self._cond:
+                    self._granted += got
+            unrouted = False
+            while self._granted >= self.group_size and not self._stop.is_set():
+                if not self._route_one():
+                    unrouted = True
+                    break
+            poll_s = min(2 * poll_s, BUDGET_POLL_MAX_S) if refused else BUDGET_POLL_S
+            with self._cond:
+                # A sample's end or a cap change wakes the loop at once; with a group
+                # in hand that no worker can take, only they can change anything.
+                self._cond.wait(ROUTE_RETRY_S if unrouted else poll_s)
+
+    def _route_one(self) -> bool:
+        prompt = self._peek_prompt()
+        per_sample = self._prompt_tokens(prompt) + self.lengths.predict(prompt.text)
+        with self._cond:
+            result = route(list(self.loads.values()), self.group_size,
+                           per_sample * self.group_size, self.spec.scheduler.admission_ratio,
+                           self.token_admission)
+            if result.worker is None:
+                self.rejections[result.refused_by] += 1
+                return False
+            worker = result.worker
+            group_id = uuid.uuid4().hex[:16]
+            self._groups[group_id] = _Group(worker, prompt, per_sample, self.group_size)
+            worker.inflight += self.group_size
+            worker.predicted_tokens += per_sample * self.group_size
+            self._granted -= self.group_size
+            self._next_prompt = None
+            cap = worker.cap
+        if self._submit(worker, group_id, prompt, cap):
+            with self._cond:
+                self.dispatched_groups[worker.name] += 1
+            return True
+        with self._cond:
+            # Never reached the worker: the prompt and the grant go to another.
+            self._groups.pop(group_id, None)
+            worker.inflight -= self.group_size
+            worker.predicted_tokens -= per_sample * self.group_size
+            worker.routable = False
+            self._granted += self.group_size
+            self._next_prompt = prompt
+        return any(w.routable for w in self.loads.values())
+
+    def _peek_prompt(self) -> Prompt:
+        if self._next_prompt is None:
+            self._next_prompt = next(self._prompts)
+        return self._next_prompt
+
+    def _prompt_tokens(self, prompt: Prompt) -> int:
+        # Characters + 1 bound the token count of the byte-level tokenisers used
+        # here from above; a worker's real count replaces it after its first sample.
+        return self._encode_len.get(prompt.text, len(prompt.text) + 1)
+
+    def _submit(self, worker: WorkerLoad, group_id: str, prompt: Prompt, cap: int) -> bool:
+        client = self.clients[worker.name]
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                client.submit_group(self.job_id, group_id, prompt, cap)
+                return True
+            except Exception as err:  # noqa: BLE001 - retried, then the worker leaves routing
+                logger.warning("job %s: submit to %s failed (%s), attempt %d", self.job_id,
+                               worker.name, err, attempt + 1)
+                if self._stop.wait(SUBMIT_RETRY_S):
+                    return False
+        self.record({"event": "worker_unroutable", "worker": worker.name,
+                      "reason": "submit failed"})
+        return False
+
+    # --- what the workers report ------------------------------------------------------
+
+    def _event_loop(self, name: str) -> None:
+        client, since, failures = self.clients[name], 0, 0
+        while not self._stop.is_set():
+            try:
+                events = client.wait_events(self.job_id, since, EVENT_WAIT_S)
+                failures = 0
+            except Exception as err:  # noqa: BLE001 - the watcher fails a dead worker's job
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("job %s: events from %s: %s", self.job_id, name, err)
+                self._stop.wait(min(2.0, 0.1 * failures))
+                continue
+            if events:
+                since = events[-1].seq
+                self._apply(events)
+
+    def _apply(self, events: list[SampleEvent]) -> None:
+        with self._cond:
+            for e in events:
+                group = self._groups.get(e.group_id)
+                if group is None:
+                    continue
+                worker = group.worker
+                if e.sample_index >= 0:
+                    group.remaining -= 1
+                    worker.inflight -= 1
+                    worker.predicted_tokens -= group.tokens_per_sample
+                    self.lengths.observe(group.prompt.text, e.response_tokens)
+                    if e.prompt_tokens:
+                        self._encode_len[group.prompt.text] = e.prompt_tokens
+                        if len(self._encode_len) > 100_000:
+                            self._encode_len.clear()
+                    continue
+                # The group was put (or failed): what did not end is freed with it.
+                self._groups.pop(e.group_id)
+                worker.inflight -= group.remaining
+                worker.predicted_tokens -= group.tokens_per_sample * group.remaining
+                worker.predicted_tokens = max(0.0, worker.predicted_tokens)
+                if e.error:
+                    self.record({"event": "group_failed", "worker": worker.name,
+                                  "group_id": e.group_id, "error": e.error[:500]})
+            self._cond.notify_all()
+
+    # --- the slow loop ----------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        interval = self.spec.scheduler.control_interval_s
+        last: dict[str, tuple[float, float, int]] = {}
+        while not self._stop.wait(interval):
+            for name, client in self.clients.items():
+                try:
+                    stats = client.stats(self.job_id)
+                except Exception as err:  # noqa: BLE001 - next tick
+                    logger.debug("job %s: no stats from %s: %s", self.job_id, name, err)
+                    continue
+                now = time.monotonic()
+                prev = last.get(name)
+                last[name] = (now, stats.kv_usage_seconds_total, stats.preempted_requests_total)
+                with self._cond:
+                    worker = self.loads[name]
+                    worker.kv_budget_tokens = stats.kv_cache_tokens
+                    if prev is None or not self.concurrency_control:
+                        continue
+                    utilisation = (stats.kv_usage_seconds_total - prev[1]) / max(now - prev[0],
+                                                                                 1e-6)
+                    decision = self.controller.update(
+                        worker, utilisation, stats.preempted_requests_total - prev[2])
+                    if decision.reason != "hold":
+                        self.cap_changes[decision.reason] += 1
+                        self._cond.notify_all()
+                if decision.reason != "hold":
+                    self.record(decision.as_event())
+
+    def record(self, event: dict) -> None:
+        event = {"time": round(time.time(), 3), "job_id": self.job_id, **event}
+        logger.info("scheduling decision %s", json.dumps(event))
+        if self.events_path is not None:
+            try:
+                with self.events_path.open("a") as f:
+                    f.write(json.dumps(event) + "\n")
+            except OSError as err:
+                logger.warning("job %s: cannot record a decision: %s", self.job_id, err)

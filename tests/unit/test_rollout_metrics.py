@@ -32,3 +32,51 @@ def test_rollout_metrics_read_the_workers_counters():
     assert 'reflow_rollout_engine_requests{job_id="job1",state="running"} 3.0' in text
     assert 'reflow_rollout_engine_requests{job_id="job1",state="waiting"} 5.0' in text
     assert 'reflow_rollout_kv_cache_usage_ratio{job_id="job1"} 0.25' in text
+
+
+def test_preemptions_of_a_weight_update_are_not_kv_pressure():
+    """The engine counts requests a weight update's pause dropped from the KV cache
+    as preemptions; the worker books those apart (cause weight_sync), so the
+    concurrency controller only sees preemptions for room (cause kv_cache)."""
+    import asyncio
+    import time
+
+    class Engine:
+        def __init__(self):
+            self.load = EngineLoad()
+
+        async def pause(self):
+            self.load.preempted_requests_total += 5  # every running request, as vLLM does
+
+        async def resume(self):
+            pass
+
+        async def receive_weights(self):
+            await asyncio.sleep(0.05)
+            return 0.05
+
+        def shutdown(self):
+            pass
+
+    spec = parse_job_spec({"model": {"path": "/m"}})
+    engine = Engine()
+    worker = RolloutWorker("job1", spec, lambda: engine, RepeatTask(), replay=None,
+                           encode=lambda t: [], decode=lambda ids: "")
+    worker.start()
+    worker.wait_ready(10)
+    try:
+        worker.call(worker._update_weights(1), 10)
+        time.sleep(0.1)
+        engine.load.preempted_requests_total += 2  # later, for room
+        time.sleep(0.5)  # past the update's window
+        engine.load.preempted_requests_total += 3
+        time.sleep(0.1)
+    finally:
+        worker.stop()
+    assert worker.counters.sync_preempted_requests_total == 7
+    assert worker.counters.preempted_requests_total == 3
+    text = generate_latest(rollout_registry(SimpleNamespace(worker=worker))).decode()
+    assert ('reflow_rollout_preempted_requests_total{cause="kv_cache",job_id="job1"} 3.0'
+            in text)
+    assert ('reflow_rollout_preempted_requests_total{cause="weight_sync",job_id="job1"} 7.0'
+            in text)

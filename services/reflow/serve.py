@@ -142,8 +142,9 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
 
 
 def _serve_worker(address: str):
-    """An AsyncHybrid worker: the rollout and trainer services on one gRPC server,
-    so the scheduler can give the pod either role per job (paper §5)."""
+    """An AsyncHybrid worker (paper §5): the rollout, trainer and worker services on
+    one gRPC server. A job either gives the pod one fixed role, or (elastic pool)
+    starts both halves warm and moves the role with the Worker service's SetRole."""
     from reflow import rpc
     from reflow.rollout import server as rollout_server
     from reflow.rollout.metrics import RolloutCollector
@@ -151,21 +152,27 @@ def _serve_worker(address: str):
     from reflow.trainer import server as trainer_server
     from reflow.trainer.metrics import TrainerMetrics
     from reflow.trainer.service import TrainerService
+    from reflow.worker import server as worker_server
+    from reflow.worker.service import HybridWorker
 
     rollout = RolloutService()
     metrics = TrainerMetrics()
     trainer = TrainerService(metrics=metrics)
+    hybrid = HybridWorker(rollout, trainer)
     metrics.registry.register(RolloutCollector(rollout))
     _start_metrics_server(metrics.registry)
-    add_rollout, add_trainer = rollout_server.register(rollout), trainer_server.register(trainer)
+    adders = (rollout_server.register(rollout), trainer_server.register(trainer),
+              worker_server.register(hybrid))
 
     def register(server) -> None:
-        add_rollout(server)
-        add_trainer(server)
+        for add in adders:
+            add(server)
 
-    server, _ = rpc.make_server((rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
-                                register, address,
-                                long_methods=rollout_server.LONG_METHODS + trainer_server.LONG_METHODS)
+    server, _ = rpc.make_server(
+        (rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME, worker_server.SERVICE_NAME),
+        register, address,
+        long_methods=(rollout_server.LONG_METHODS + trainer_server.LONG_METHODS
+                      + worker_server.LONG_METHODS))
     return server, rollout.shutdown
 
 

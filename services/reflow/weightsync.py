@@ -12,6 +12,17 @@ metadata (names, shapes, dtypes) does, once, when the group is built.
 
 The worker-side functions run inside the vLLM worker process through
 `collective_rpc`; they take the worker as `self` and keep their state on it.
+
+Ranks: the trainer is 0, then every tensor-parallel worker of engine 0, then
+engine 1's, and so on (`RankPlan`). Each TP worker receives the whole model and
+its checkpoint loader keeps its own shard, so the trainer needs no knowledge of
+how an engine is sharded, only how many workers it has.
+
+Not handled: a trainer and an engine worker on the same GPU. NCCL cannot connect
+two ranks on one device, so that join is refused with a clear error
+(`check_distinct_gpus`). Supporting it takes CUDA IPC instead of a broadcast (the
+trainer exports handles to its parameter storage and the engine maps them), which
+this module does not implement. Pipeline-parallel engines are not handled either.
 """
 
 from __future__ import annotations
@@ -74,6 +85,73 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[Tensor
     if current:
         buckets.append(current)
     return buckets
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Every rank of one job's weight-sync group: the trainer is rank 0, then the
+    tensor-parallel workers of engine 0, of engine 1, and so on."""
+
+    # engine_ranks[i][t]: the rank of engine i's TP worker t.
+    engine_ranks: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def for_engines(cls, engine_tp_sizes: list[int]) -> RankPlan:
+        """The plan for engines with these tensor-parallel sizes, in engine order."""
+        engine_ranks = []
+        next_rank = 1
+        for i, size in enumerate(engine_tp_sizes):
+            if size < 1:
+                raise ValueError(f"engine_tp_sizes[{i}]: {size}; a tensor-parallel size is >= 1")
+            engine_ranks.append(tuple(range(next_rank, next_rank + size)))
+            next_rank += size
+        return cls(tuple(engine_ranks))
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(len(ranks) for ranks in self.engine_ranks)
+
+    def first_rank(self, engine: int) -> int:
+        """The rank an engine is told (WeightSyncSpec.rank); its TP worker t adds t."""
+        return self.engine_ranks[engine][0]
+
+
+def engine_worker_rank(
+    first_rank: int, tensor_parallel_size: int, tp_rank: int, tp_world_size: int, world_size: int
+) -> int:
+    """The rank of one engine's TP worker `tp_rank`, checked against the TP group
+    the engine really runs (`tp_world_size`) and the group's size."""
+    if tp_world_size != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size: {tensor_parallel_size} but this engine runs "
+                         f"{tp_world_size} tensor-parallel workers")
+    if not 0 <= tp_rank < tensor_parallel_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} is outside [0, {tensor_parallel_size})")
+    rank = first_rank + tp_rank
+    if not 1 <= rank < world_size:
+        raise ValueError(f"rank: {first_rank} + tensor-parallel rank {tp_rank} is outside the "
+                         f"engine ranks [1, {world_size}) of the weight-sync group")
+    return rank
+
+
+def cuda_device_uuid(device: torch.device | int) -> str:
+    """The device's UUID as `torch` prints it (no "GPU-" prefix)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_distinct_gpus(trainer_device_uuid: str, engine_device_uuid: str) -> None:
+    """Refuse an NCCL join between two ranks on one GPU, which NCCL cannot connect
+    (it fails or hangs deep inside the first broadcast). An empty UUID means
+    unknown and passes."""
+    trainer = trainer_device_uuid.lower().removeprefix("gpu-")
+    engine = engine_device_uuid.lower().removeprefix("gpu-")
+    if trainer and trainer == engine:
+        raise ValueError(
+            f"trainer_device_uuid: the trainer and this rollout engine are both on GPU "
+            f"{trainer_device_uuid}, and NCCL weight sync needs them on different GPUs. "
+            "Place the trainer and the engine on different GPUs, or run the trainer on "
+            "CPU so that weight sync uses the gloo backend. (Sharing one GPU would take "
+            "CUDA IPC weight transfer, which ReFlow does not implement.)"
+        )
 
 
 @dataclass
@@ -153,18 +231,40 @@ def worker_init_weight_sync(
     self,
     master_address: str,
     master_port: int,
-    rank: int,
+    first_rank: int,
     world_size: int,
     backend: str,
     specs: list[tuple[str, list[int], str]],
     bucket_bytes: int,
+    tensor_parallel_size: int = 1,
+    trainer_device_uuid: str = "",
 ) -> bool:
+    """Join the weight-sync group as rank `first_rank` + this worker's TP rank."""
+    tp_rank, tp_world_size = _tensor_parallel_position()
+    rank = engine_worker_rank(first_rank, tensor_parallel_size, tp_rank, tp_world_size, world_size)
+    if backend == "nccl":
+        check_distinct_gpus(trainer_device_uuid, cuda_device_uuid(torch.cuda.current_device()))
     self._reflow_wsync = {
         "group": make_group(master_address, master_port, rank, world_size, backend),
         "specs": [TensorSpec(n, tuple(s), d) for n, s, d in specs],
         "bucket_bytes": bucket_bytes,
     }
     return True
+
+
+def _tensor_parallel_position() -> tuple[int, int]:
+    """(TP rank, TP size) of this vLLM worker; (0, 1) where vLLM has built no
+    model-parallel groups (an engine run in-process without them is unsharded)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    # Workers of different pipeline stages share TP ranks, so they would collide.
+    if parallel_state.get_pp_group().world_size > 1:
+        raise ValueError("weight sync does not support pipeline-parallel engines; "
+                         "use tensor parallelism only")
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
 
 
 def worker_receive_weights(self) -> float:

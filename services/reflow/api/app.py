@@ -22,7 +22,7 @@ import hmac
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from reflow.api.middleware import BodySizeLimit, RequestMetrics
 from reflow.core.config import JobSpec
 from reflow.core.errors import (
-    Conflict, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
+    Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
 )
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord
 
@@ -105,6 +105,26 @@ class JobStatus(BaseModel):
     created_at: float = Field(description="Unix seconds.")
     started_at: float = Field(description="Unix seconds; 0 before the job starts.")
     finished_at: float = Field(description="Unix seconds; 0 until the job ends.")
+    workers: dict[str, list[str]] = Field(
+        default_factory=dict, description="The job's workers by role (trainer, rollout); an "
+        "elastic job's change as roles flip.")
+
+
+class FlipRequest(BaseModel):
+    """Move one worker of an elastic job to a role, at the next sync boundary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    worker: int = Field(ge=1, le=4095, description="Worker index (worker-N); 0 holds trainer "
+                        "rank 0 and keeps it.")
+    role: Literal["rollout", "trainer"]
+
+
+class FlipAccepted(BaseModel):
+    job_id: str
+    worker: int
+    role: str
+    queued_before: int = Field(description="Flips queued ahead of this one.")
 
 
 class JobPage(BaseModel):
@@ -147,7 +167,7 @@ def _status(r: JobRecord) -> JobStatus:
         job_id=r.job_id, name=r.name, phase=r.phase, reason=r.reason, step=r.step,
         num_steps=r.num_steps, policy_version=r.policy_version, reward_mean=r.reward_mean,
         trainer_tokens_per_s=r.trainer_tokens_per_s, created_at=r.created_at,
-        started_at=r.started_at, finished_at=r.finished_at,
+        started_at=r.started_at, finished_at=r.finished_at, workers=r.workers,
     )
 
 
@@ -175,7 +195,7 @@ def _call(fn, *args):
         return fn(*args)
     except NotFound as err:
         raise HTTPException(404, str(err)) from None
-    except Conflict as err:
+    except (Conflict, FailedPrecondition) as err:
         raise HTTPException(409, str(err)) from None
     except (InvalidArgument, ValueError) as err:
         raise HTTPException(422, str(err)) from None
@@ -257,6 +277,16 @@ def create_app(scheduler, settings: ApiSettings,
     @v1.post("/jobs/{job_id}/stop", response_model=JobStatus, responses=_NOT_FOUND)
     def stop_job(job_id: str) -> JobStatus:
         return _status(_call(scheduler.stop, job_id))
+
+    @v1.post("/jobs/{job_id}/flips", status_code=202, response_model=FlipAccepted,
+             responses={**_NOT_FOUND, 409: {"model": ApiError, "description": "The job is not "
+                                             "running elastic, or the flip is not possible now "
+                                             "(the worker has that role already, or no rollout "
+                                             "worker would be left)."}})
+    def request_flip(job_id: str, flip: FlipRequest) -> FlipAccepted:
+        queued = _call(scheduler.request_flip, job_id, flip.worker, flip.role)
+        return FlipAccepted(job_id=job_id, worker=flip.worker, role=flip.role,
+                            queued_before=queued)
 
     @v1.get("/jobs/{job_id}/logs", response_class=Response,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},

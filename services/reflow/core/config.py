@@ -98,6 +98,11 @@ class RolloutConfig(_Section):
         default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
     )
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64,
+        description="Tensor-parallel workers per rollout engine; each joins the weight-sync "
+        "group with a rank of its own. On CPU set VLLM_CPU_OMP_THREADS_BIND to one core "
+        "list per worker, separated by '|'.")
     partial_rollout: bool = Field(
         default=True,
         description="On a weight update, in-flight samples pause at a token boundary and go "
@@ -314,6 +319,67 @@ class SchedulerConfig(_Section):
         return self.adaptive and bool(getattr(self, part))
 
 
+class RoleFlip(_Section):
+    """One scheduled role flip of an elastic job (for tests and benchmarks; the
+    adaptive scheduler's placement decides flips in production)."""
+
+    at_step: int = Field(ge=1, le=100_000_000,
+                         description="Requested once the trainer has finished this step; "
+                         "carried out at the next sync boundary.")
+    worker: int = Field(ge=1, le=4095, description="Worker index (0 holds trainer rank 0 "
+                        "and keeps it).")
+    role: Literal["rollout", "trainer"]
+
+
+class ClusterConfig(_Section):
+    """The elastic resource pool (paper §5): AsyncHybrid workers, each holding a
+    warm rollout engine and a warm trainer replica, whose roles move mid-job."""
+
+    workers: int | None = Field(
+        default=None, ge=2, le=4096,
+        description="AsyncHybrid workers for the job. None: one rollout and one trainer "
+        "process with fixed roles.")
+    trainer_workers: int = Field(
+        default=1, ge=1, le=4095,
+        description="Workers in the trainer role at start (the data-parallel group's "
+        "replicas); the rest start as rollout workers.")
+    flips: list[RoleFlip] = Field(
+        default_factory=list, max_length=10_000,
+        description="Role flips requested at given steps, in order.")
+
+    @model_validator(mode="after")
+    def _check_pool(self) -> ClusterConfig:
+        if self.workers is None:
+            if self.flips or "trainer_workers" in self.model_fields_set:
+                raise ValueError("cluster.flips and cluster.trainer_workers need "
+                                 "cluster.workers (an elastic pool of at least 2 workers)")
+            return self
+        if self.trainer_workers >= self.workers:
+            raise ValueError(f"cluster.trainer_workers ({self.trainer_workers}) must be below "
+                             f"cluster.workers ({self.workers}): a job needs a rollout worker")
+        roles = ["trainer" if i < self.trainer_workers else "rollout"
+                 for i in range(self.workers)]
+        last_step = 0
+        for i, flip in enumerate(self.flips):
+            where = f"cluster.flips[{i}]"
+            if flip.at_step < last_step:
+                raise ValueError(f"{where}.at_step: flips must be in step order")
+            last_step = flip.at_step
+            if flip.worker >= self.workers:
+                raise ValueError(f"{where}.worker: {flip.worker} is not a worker of this job "
+                                 f"(1 to {self.workers - 1})")
+            if roles[flip.worker] == flip.role:
+                raise ValueError(f"{where}: worker {flip.worker} is already a {flip.role} "
+                                 "worker at that point")
+            roles[flip.worker] = flip.role
+            if "rollout" not in roles:
+                raise ValueError(f"{where}: would leave the job without a rollout worker")
+        return self
+
+    def initial_role(self, worker: int) -> str:
+        return "trainer" if worker < self.trainer_workers else "rollout"
+
+
 Mode = Literal["sync", "one_step_off", "fully_async", "reflow"]
 
 # How the baselines generate: no adaptive scheduling (paper §6 is ReFlow's), and
@@ -371,6 +437,7 @@ class JobSpec(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _apply_mode(self) -> JobSpec:
@@ -433,6 +500,11 @@ class JobSpec(_Section):
                 f"rollout.max_inflight_samples ({self.concurrency_cap}) must be at "
                 f"least rollout.group_size ({self.rollout.group_size})"
             )
+        flips_after_end = [f.at_step for f in self.cluster.flips
+                           if f.at_step >= self.trainer.num_steps]
+        if flips_after_end:
+            raise ValueError(f"cluster.flips: at_step {flips_after_end[0]} is not before "
+                             f"trainer.num_steps ({self.trainer.num_steps})")
         if self.scheduler.max_concurrency < self.rollout.group_size:
             raise ValueError(
                 f"scheduler.max_concurrency ({self.scheduler.max_concurrency}) must be at "

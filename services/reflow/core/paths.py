@@ -13,6 +13,7 @@ symlink planted on a worker's volume is caught where it would be followed.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +57,14 @@ class PathRoots:
 
     def model_dir(self, path: str | os.PathLike[str], field: str = "model.path") -> Path:
         return confine(path, self.models, field, MODELS_ROOT_ENV)
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,253}:[0-9]{1,5}")
+
+
+def check_address(address: str, field: str) -> str:
+    """A `host:port` that an RPC names for this service to call: a name or an IP
+    and a port, nothing else (no scheme, path or user part)."""
+    if not _ADDRESS.fullmatch(address) or not 1 <= int(address.rpartition(":")[2]) <= 65535:
+        raise ValueError(f"{field}: {address[:80]!r} is not a host:port address")
+    return address

@@ -67,6 +67,8 @@ class GrpcRolloutClient:
             backend=spec.backend,
             tensors=[rollout_pb2.TensorMeta(name=n, shape=s, dtype=d) for n, s, d in spec.tensors],
             bucket_bytes=spec.bucket_bytes,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            trainer_device_uuid=spec.trainer_device_uuid,
         )
         # Covers the engine start (tens of seconds) that the call waits for.
         self._stub.InitWeightSync(req, timeout=deadline_s)
@@ -117,6 +119,7 @@ class InprocRolloutClient:
 
     def __init__(self, service) -> None:
         self.service = service
+        self.address = f"inproc-{id(service):x}"
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
                      concurrency_cap: int = 0) -> bool:

@@ -45,6 +45,7 @@ MAX_TENSORS = 200_000
 MAX_TENSOR_DIMS = 8
 MAX_WEIGHT_BYTES = 4 << 40
 MIN_BUCKET_BYTES, MAX_BUCKET_BYTES = 1 << 20, 16 << 30
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,33 @@ class WeightSyncSpec:
     # (name, shape, dtype) of every tensor, in broadcast order.
     tensors: list[tuple[str, list[int], str]]
     bucket_bytes: int
+    # Ranks rank .. rank + tensor_parallel_size - 1 belong to this engine: each of
+    # its tensor-parallel workers joins with `rank` plus its own TP rank, and
+    # `world_size` counts every TP worker of every engine (weightsync.RankPlan).
+    tensor_parallel_size: int = 1
+    # The trainer's CUDA device UUID when backend is nccl ("" if unknown): an engine
+    # worker on that same GPU refuses to join (weightsync.check_distinct_gpus).
+    trainer_device_uuid: str = ""
 
-    def check(self, expected_rank: int, expected_world_size: int, trainer_host: str) -> None:
+    def check(self, expected_rank: int, expected_world_size: int, trainer_host: str,
+              expected_tensor_parallel_size: int | None = None) -> None:
         """Refuse a request that does not describe this worker's place in its job's
-        group (paper §4.1 step 4: trainer rank 0, rollout worker i rank i+1), or
-        whose tensor list is not a model's. ValueError names the field."""
+        group (paper §4.1 step 4: trainer rank 0, then each engine's TP workers in
+        turn; with TP 1 rollout worker i is rank i+1), or whose tensor list is not
+        a model's. ValueError names the field."""
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} is out of range "
+                             f"[1, {MAX_TENSOR_PARALLEL_SIZE}]")
+        if (expected_tensor_parallel_size is not None
+                and self.tensor_parallel_size != expected_tensor_parallel_size):
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} is not this "
+                             f"engine's ({expected_tensor_parallel_size})")
+        # Rank 0 is the trainer's; this engine's last TP worker must still be in the group.
+        if not 1 <= self.rank <= self.world_size - self.tensor_parallel_size:
+            raise ValueError(f"rank: {self.rank} with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} does not fit in world_size "
+                             f"{self.world_size}; need 1 <= rank and rank + "
+                             "tensor_parallel_size <= world_size")
         if self.rank != expected_rank:
             raise ValueError(f"rank: {self.rank} is not this worker's rank ({expected_rank}) "
                              "in the job's weight-sync group")
@@ -75,6 +98,9 @@ class WeightSyncSpec:
             raise ValueError(f"master_port: {self.master_port} is not a TCP port")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: {self.backend!r} is not gloo or nccl")
+        if len(self.trainer_device_uuid) > 64:
+            raise ValueError(f"trainer_device_uuid: {self.trainer_device_uuid[:64]!r}... is "
+                             "longer than a device UUID")
         if not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes: {self.bucket_bytes} is out of range "
                              f"[{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]")

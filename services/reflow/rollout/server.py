@@ -42,6 +42,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             backend=request.backend,
             tensors=[(t.name, list(t.shape), t.dtype) for t in request.tensors],
             bucket_bytes=request.bucket_bytes,
+            tensor_parallel_size=request.tensor_parallel_size or 1,
+            trainer_device_uuid=request.trainer_device_uuid,
         )
         try:
             self.service.init_weight_sync(request.job_id, spec, rpc.wait_budget_s(context))

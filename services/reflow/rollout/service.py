@@ -36,6 +36,7 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
             dtype=spec.model.dtype,
             kv_cache_gb=spec.rollout.kv_cache_gb,
             seed=spec.seed if seed is None else seed,
+            tensor_parallel_size=spec.rollout.tensor_parallel_size,
         )
 
     return build
@@ -160,7 +161,14 @@ class RolloutService:
         if not job_id and self.worker is None:
             return RolloutCounters(), 0.0, "idle", ""
         worker = self.worker if not job_id else self._worker_for(job_id)
-        return worker.counters, worker.idle_seconds(), worker.state, worker.error
+        state = "standby" if worker.state == "running" and worker.standby else worker.state
+        return worker.counters, worker.idle_seconds(), state, worker.error
+
+    def set_standby(self, job_id: str, standby: bool, drain_timeout_s: float = 0.0) -> int:
+        """The engine of a worker moving to the trainer role admits nothing (after
+        its samples in flight finish, up to `drain_timeout_s`); back in the rollout
+        role it admits again. Returns samples still generating."""
+        return self._running_worker_for(job_id).set_standby(standby, drain_timeout_s)
 
     def shutdown(self) -> None:
         if self.worker is not None:

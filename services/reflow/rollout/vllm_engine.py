@@ -57,11 +57,14 @@ def _load_recorder(load: EngineLoad):
     return LoadRecorder
 
 
-def _default_executor() -> str | None:
-    """In-process on CPU (see below); vLLM's own choice on GPU."""
+def _default_executor(tensor_parallel_size: int) -> str | None:
+    """In-process on CPU (see below) unless tensor-parallel, which needs a worker
+    process per shard; vLLM's own choice on GPU."""
     import torch
 
-    return None if torch.cuda.is_available() else "uni"
+    if torch.cuda.is_available():
+        return None
+    return "mp" if tensor_parallel_size > 1 else "uni"
 
 
 class VllmEngine:
@@ -72,11 +75,13 @@ class VllmEngine:
         kv_cache_gb: float = 1.0,
         max_model_len: int | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        self.tensor_parallel_size = tensor_parallel_size
         # Functions sent through collective_rpc are pickled by reference.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
-        executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor()
+        executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor(tensor_parallel_size)
         if executor == "uni":
             # vLLM-CPU only keeps the in-process executor when this is off; AsyncLLM
             # still runs its engine core as a separate process either way.
@@ -89,12 +94,13 @@ class VllmEngine:
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
             enforce_eager=True,
             # On CPU, the model worker inside the engine-core process. vLLM-CPU otherwise
             # starts it as a third process that the engine core talks to over a
             # shared-memory queue both sides spin on (sched_yield): the profile
             # (bench/PROFILE.md) found half the engine's CPU samples there. Tensor-
-            # parallel engines need the multiprocess executor; REFLOW_VLLM_EXECUTOR=mp.
+            # parallel engines need the multiprocess executor, chosen for them.
             distributed_executor_backend=executor,
             # Logprobs after temperature scaling: those of the distribution sampled from.
             logprobs_mode="processed_logprobs",
@@ -155,8 +161,12 @@ class VllmEngine:
         await self._engine.resume_generation()
 
     async def init_weight_sync(self, spec: WeightSyncSpec) -> None:
+        """Every TP worker joins the group, each at spec.rank + its TP rank."""
         from reflow.weightsync import worker_init_weight_sync
 
+        if spec.tensor_parallel_size != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size: {spec.tensor_parallel_size} is not this "
+                             f"engine's ({self.tensor_parallel_size})")
         await self._engine.collective_rpc(
             worker_init_weight_sync,
             args=(
@@ -167,6 +177,8 @@ class VllmEngine:
                 spec.backend,
                 spec.tensors,
                 spec.bucket_bytes,
+                spec.tensor_parallel_size,
+                spec.trainer_device_uuid,
             ),
         )
 

@@ -147,6 +147,9 @@ class RolloutWorker:
         self._events_cond = threading.Condition()
         self._groups: OrderedDict[str, None] = OrderedDict()
         self.counters.concurrency_cap = spec.concurrency_cap
+        # An AsyncHybrid worker in the trainer role (paper §5): the engine stays warm
+        # and keeps loading each published version, but admits no group.
+        self.standby = False
         self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
         # Weight-sync state machine: none -> initialising -> ready; one update at a
         # time, versions strictly in order (see update_weights).
@@ -221,7 +224,8 @@ class RolloutWorker:
                 raise FailedPrecondition("weight sync is already set up for this job; "
                                          "it is set up once per job")
             if self._sync_state == "none":
-                spec.check(self.sync_rank, self.sync_world_size, self.trainer_host)
+                spec.check(self.sync_rank, self.sync_world_size, self.trainer_host,
+                           self.spec.rollout.tensor_parallel_size)
                 self._sync_state = "initialising"
                 self._init = concurrent.futures.Future()
                 threading.Thread(target=self._init_weight_sync, args=(spec, self._init),
@@ -334,6 +338,8 @@ class RolloutWorker:
         if self.state != "running":
             raise FailedPrecondition(f"rollout worker is {self.state}"
                                      + (f": {self.error}" if self.error else ""))
+        if self.standby:
+            raise FailedPrecondition("rollout worker stands by: its worker has the trainer role")
         if not group_id or len(group_id) > 64:
             raise ValueError("group_id: 1-64 characters required")
         with self._events_cond:
@@ -347,6 +353,21 @@ class RolloutWorker:
             self.counters.inflight_samples += self.spec.rollout.group_size
         self._loop.call_soon_threadsafe(self._start_group, group_id, prompt)
         return True
+
+    def set_standby(self, standby: bool, drain_timeout_s: float = 0.0) -> int:
+        """Stop (or resume) admitting groups. Stopping waits up to `drain_timeout_s`
+        for the samples in flight to finish: they end as usual, in the buffer
+        (generation is never cut short, so nothing is lost); returns how many are
+        still generating when it returns."""
+        self.standby = standby
+        deadline = time.monotonic() + drain_timeout_s
+        with self._events_cond:
+            while standby and self.counters.inflight_samples > 0 and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._events_cond.wait(min(left, 0.5))
+            return self.counters.inflight_samples
 
     def wait_events(self, since_seq: int, timeout_s: float) -> list[SampleEvent]:
         """Events after `since_seq`, waiting up to `timeout_s` for the first. A reader
@@ -454,6 +475,7 @@ class RolloutWorker:
             self.counters.inflight_samples -= n
             if self.counters.inflight_samples == 0:
                 self._idle_since = time.monotonic()
+                self._events_cond.notify_all()  # a drain (set_standby) waits for this
 
     def _score(
         self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[_Sample]

@@ -43,7 +43,7 @@ def _from_proto(m) -> JobRecord:
         step=m.step, num_steps=m.num_steps, policy_version=m.policy_version,
         reward_mean=m.reward_mean, trainer_tokens_per_s=m.trainer_tokens_per_s,
         created_at=m.created_at, started_at=m.started_at, finished_at=m.finished_at,
-        run_dir=m.run_dir,
+        run_dir=m.run_dir, workers={w.role: list(w.names) for w in m.workers},
     )
 
 
@@ -104,6 +104,15 @@ class GrpcSchedulerClient:
         req = scheduler_pb2.JobMetricsRequest(job_id=job_id, since_step=since_step, limit=limit)
         reply = self._stub.GetJobMetrics(req, timeout=self.deadline_s)
         return [json.loads(r) for r in reply.records_json]
+
+    @_translate
+    def request_flip(self, job_id: str, worker: int, role: str) -> int:
+        """Move a worker of an elastic job to `role` at the next sync boundary;
+        returns the flips queued before this one."""
+        from reflow.v1 import scheduler_pb2
+
+        req = scheduler_pb2.FlipRequest(job_id=job_id, worker=worker, role=role)
+        return self._stub.RequestFlip(req, timeout=self.deadline_s).queued_before
 
     def close(self) -> None:
         self._channel.close()

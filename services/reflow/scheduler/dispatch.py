@@ -77,10 +77,12 @@ class _Group:
 class Dispatcher:
     def __init__(self, job_id: str, spec: JobSpec, replay: ReplayClient,
                  workers: dict[str, WorkerClient], task: Task,
-                 events_path: Path | None = None) -> None:
+                 events_path: Path | None = None, standby: set[str] | None = None) -> None:
         """`workers`: name -> client of each rollout worker of the job; `task` the
         job's prompt stream (seeded once for the job); `events_path` a JSONL file
-        that receives every scheduling decision (None: the log only)."""
+        that receives every scheduling decision (None: the log only); `standby`:
+        workers of an elastic job that start in the trainer role (never routed to
+        until `set_standby(name, False)`)."""
         if not workers:
             raise ValueError("workers: a job needs at least one rollout worker")
         self.job_id, self.spec, self.replay, self.task = job_id, spec, replay, task
@@ -97,7 +99,8 @@ class Dispatcher:
         # Routed to once its engine runs (a worker starts generating tens of
         # seconds after the job starts).
         self.loads = {name: WorkerLoad(name, initial_cap, routable=False) for name in workers}
-        self._unready = set(workers)
+        self._standby = set(standby or ())
+        self._unready = set(workers) - self._standby
         self._ready_checked = 0.0
         self._prompts = task.prompts()
         self._next_prompt: Prompt | None = None  # drawn, not yet dispatched
@@ -158,6 +161,34 @@ class Dispatcher:
                 "predicted_response_tokens": self.lengths.predict(""),
                 "error": self.error,
             }
+
+    # --- the elastic pool's role flips (scheduler/elastic.py) --------------------------
+
+    def set_standby(self, name: str, standby: bool) -> None:
+        """Take a worker out of routing (its worker moves to the trainer role) or put
+        it back (routable again once its engine reports running)."""
+        with self._cond:
+            worker = self.loads[name]
+            if standby:
+                self._standby.add(name)
+                self._unready.discard(name)
+                worker.routable = False
+            else:
+                self._standby.discard(name)
+                self._unready.add(name)
+                self._ready_checked = 0.0
+            self._cond.notify_all()
+        self.record({"event": "worker_standby" if standby else "worker_admitting",
+                     "worker": name})
+
+    def inflight(self, name: str) -> int:
+        """Samples the dispatcher holds out on `name` (routed, not yet ended)."""
+        with self._cond:
+            return self.loads[name].inflight
+
+    def routable(self, name: str) -> bool:
+        with self._cond:
+            return self.loads[name].routable
 
     # --- the fast path ----------------------------------------------------------------
 

@@ -49,6 +49,9 @@ class Placement:
     rollout_addresses: list[str]
     trainer_address: str
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # An elastic job's AsyncHybrid workers, by index (0 holds trainer rank 0; the
+    # rollout addresses are then the engines of workers 1..N-1); empty otherwise.
+    worker_addresses: list[str] = field(default_factory=list)
 
     def exited(self) -> list[tuple[str, int, str]]:
         """Services that are gone: (name, exit code, what happened)."""
@@ -67,11 +70,11 @@ class LocalBackend:
         self.health_timeout_s = health_timeout_s
 
     def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path,
-               colocated: bool = False):
+               colocated: bool = False, log_name: str = ""):
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
         env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
                **self._cpu_env(service, colocated)}
-        return procs.spawn(args, str(log_dir / f"{service}.log"), env=env)
+        return procs.spawn(args, str(log_dir / f"{log_name or service}.log"), env=env)
 
     def _cpu_env(self, service: str, colocated: bool = False) -> dict[str, str]:
         """On one machine the rollout engine and the trainer get disjoint cores (what
@@ -96,11 +99,22 @@ class LocalBackend:
                     procs.CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus), **extra}
         if service == "trainer":
             return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus), **extra}
+        if service == "worker":
+            # AsyncHybrid workers change roles mid-job, so none is pinned: every one
+            # may use every core, and the idle half of each (the engine of a trainer,
+            # the replica of a rollout worker) waits passively.
+            return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(cpus),
+                    "OMP_WAIT_POLICY": "PASSIVE"}
         return {}
 
-    def place(self, job_id: str, run_dir: Path, colocated: bool = False) -> Placement:
+    def place(self, job_id: str, run_dir: Path, colocated: bool = False,
+              workers: int | None = None) -> Placement:
+        """Start the job's services: the replay buffer, and either one rollout and one
+        trainer process or (`workers`, an elastic job) that many AsyncHybrid workers."""
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        if workers:
+            return self._place_workers(job_id, run_dir, log_dir, workers)
         names = ("replay", "rollout", "trainer")
         allocated = procs.free_ports(2 * len(names))
         ports = dict(zip(names, allocated))
@@ -126,6 +140,35 @@ class LocalBackend:
         logger.info("job %s placed: %s", job_id,
                     {n: p.pid for n, p in placement.processes.items()})
         return placement
+
+    def _place_workers(self, job_id: str, run_dir: Path, log_dir: Path,
+                       workers: int) -> Placement:
+        names = ["replay"] + [f"worker-{i}" for i in range(workers)]
+        allocated = procs.free_ports(2 * len(names))
+        ports = dict(zip(names, allocated))
+        metrics_ports = dict(zip(names, allocated[len(names):]))
+        addresses = [f"127.0.0.1:{ports[f'worker-{i}']}" for i in range(workers)]
+        placement = Placement(replay_address=f"127.0.0.1:{ports['replay']}",
+                              rollout_addresses=addresses[1:], trainer_address=addresses[0],
+                              worker_addresses=addresses)
+        record_endpoints(run_dir, {
+            name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
+            for name, port in ports.items()})
+        try:
+            for name, port in ports.items():
+                service = "replay" if name == "replay" else "worker"
+                placement.processes[name] = self._serve(service, port, metrics_ports[name],
+                                                        log_dir, log_name=name)
+            for port in ports.values():
+                rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
+        except Exception:
+            self.release(placement)
+            raise
+        logger.info("job %s placed on %d workers: %s", job_id, workers,
+                    {n: p.pid for n, p in placement.processes.items()})
+        return placement
+
+    supports_elastic = True
 
     def release(self, placement: Placement) -> None:
         for name, proc in placement.processes.items():

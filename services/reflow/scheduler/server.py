@@ -18,6 +18,8 @@ def record_to_proto(r: JobRecord) -> scheduler_pb2.JobStatus:
         policy_version=r.policy_version, reward_mean=r.reward_mean,
         trainer_tokens_per_s=r.trainer_tokens_per_s, created_at=r.created_at,
         started_at=r.started_at, finished_at=r.finished_at, run_dir=r.run_dir, name=r.name,
+        workers=[scheduler_pb2.RoleWorkers(role=role, names=names)
+                 for role, names in sorted(r.workers.items())],
     )
 
 
@@ -71,6 +73,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return scheduler_pb2.JobMetricsReply(records_json=[json.dumps(r) for r in records])
+
+
+    def RequestFlip(self, request, context):
+        try:
+            queued = self.scheduler.request_flip(request.job_id, request.worker, request.role)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return scheduler_pb2.FlipReply(queued_before=queued)
 
 
 SERVICE_NAME = "reflow.v1.Scheduler"

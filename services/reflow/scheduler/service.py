@@ -11,23 +11,26 @@ services are torn down and the record gets its terminal phase and reason.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from reflow.core.config import JobSpec, check_job_id
-from reflow.core.errors import Conflict, NoCapacity, ResourceExhausted
+from reflow.core.errors import Conflict, FailedPrecondition, NoCapacity, ResourceExhausted
 from reflow.core.limits import OperatorLimits
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.rollout.tasks import build_task
 from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
 from reflow.trainer.client import GrpcTrainerClient
+from reflow.weightsync import RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ POLL_INTERVAL_S = 1.0
 # How often a job waiting for free workers tries again.
 QUEUE_RETRY_S = 5.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
+WORKER_NAME = re.compile(r"worker-[0-9]{1,4}")
 
 
 class Scheduler:
@@ -51,6 +55,7 @@ class Scheduler:
         self._threads: dict[str, threading.Thread] = {}
         self._placements: dict[str, Placement] = {}
         self._dispatchers: dict[str, Dispatcher] = {}
+        self._pools: dict[str, ElasticPool] = {}
         self._lock = threading.Lock()
 
     def recover(self) -> None:
@@ -75,6 +80,9 @@ class Scheduler:
         if job_id:
             check_job_id(job_id)
         self.limits.check(spec)
+        if spec.cluster.workers and not getattr(self.backend, "supports_elastic", False):
+            raise ValueError("cluster.workers: this cluster backend runs jobs with fixed "
+                             "roles only; leave cluster.workers out")
         model_path = self.roots.model_dir(spec.model.path)
         spec.model.path = str(model_path)
         job_id = job_id or f"{spec.name[:54]}-{uuid.uuid4().hex[:8]}"
@@ -124,25 +132,51 @@ class Scheduler:
         return self.store.get(job_id)
 
     def logs(self, job_id: str, service: str = "", tail_bytes: int = 65536) -> list[ServiceLog]:
-        if service and service not in LOG_SERVICES:
-            raise ValueError(f"service: {service!r} is not one of {', '.join(LOG_SERVICES)}")
+        if service and service not in LOG_SERVICES and not WORKER_NAME.fullmatch(service):
+            raise ValueError(f"service: {service[:40]!r} is not one of "
+                             f"{', '.join(LOG_SERVICES)} or worker-N (an elastic job's worker)")
         if not 1 <= tail_bytes <= MAX_LOG_TAIL_BYTES:
             raise ValueError(f"tail_bytes: {tail_bytes} is out of range; use 1 to {MAX_LOG_TAIL_BYTES}")
         record = self.store.get(job_id)
         # The record's run_dir was confined at submission; the roots may have moved since.
         run_dir = self.roots.run_dir(record.run_dir)
-        return self.backend.read_logs(run_dir,
-                                      [service] if service else list(LOG_SERVICES), tail_bytes,
-                                      record.workers)
+        # An elastic job's workers log as worker-N, whatever their role now.
+        pool = sorted({n for names in record.workers.values() for n in names
+                       if WORKER_NAME.fullmatch(n)}, key=lambda n: int(n[7:]))
+        services = [service] if service else (["replay", *pool] if pool else list(LOG_SERVICES))
+        return self.backend.read_logs(run_dir, services, tail_bytes, record.workers)
 
     def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict]:
         return self.store.metrics(job_id, since_step, limit)
 
     def workers_by_role(self) -> dict[str, int]:
         with self._lock:
-            placements = list(self._placements.values())
-        return {"rollout": sum(len(p.rollout_addresses) for p in placements),
-                "trainer": len(placements)}
+            placements = dict(self._placements)
+            pools = dict(self._pools)
+        counts = {"rollout": 0, "trainer": 0}
+        for job_id, p in placements.items():
+            pool = pools.get(job_id)
+            if pool is None:
+                counts["rollout"] += len(p.rollout_addresses)
+                counts["trainer"] += 1
+                continue
+            for role, names in pool.by_role().items():
+                counts[role] += len(names)
+        return counts
+
+    def request_flip(self, job_id: str, worker: int, role: str) -> int:
+        """Move one worker of a running elastic job to `role` at the next sync
+        boundary (paper §5); returns the flips queued before it."""
+        check_job_id(job_id)
+        record = self.store.get(job_id)
+        with self._lock:
+            pool = self._pools.get(job_id)
+        if pool is None:
+            raise FailedPrecondition(
+                f"job {job_id} is {record.phase.lower()} and "
+                + ("not elastic (set cluster.workers)" if record.phase == "RUNNING"
+                   else "has no workers to flip"))
+        return pool.request(worker, role, reason="requested through the API")
 
     def dispatch_snapshots(self) -> dict[str, dict]:
         """Each running job's dispatcher state: caps, loads, decision counters."""
@@ -159,8 +193,23 @@ class Scheduler:
 
     # --- one job ---------------------------------------------------------------------
 
+    def _start_pool(self, record: JobRecord, spec: JobSpec, placement: Placement,
+                    leader: GrpcTrainerClient, leader_host: str) -> ElasticPool:
+        """An elastic job's pool (scheduler/elastic.py): every worker but the leader
+        loads a warm trainer replica beside its engine."""
+        from reflow.worker.client import GrpcWorkerClient
+
+        for address in placement.worker_addresses[1:]:
+            GrpcTrainerClient(address).start_job(record.job_id, record.spec_json,
+                                                 placement.replay_address, [],
+                                                 leader_host=leader_host)
+        return ElasticPool(record.job_id, spec, placement.worker_addresses, leader,
+                           dispatcher=None, worker_client_factory=GrpcWorkerClient,
+                           record=lambda event: None)
+
     def _start_dispatcher(self, record: JobRecord, placement: Placement,
-                          rollouts: list[GrpcRolloutClient], run_dir: Path) -> Dispatcher:
+                          rollouts: list[GrpcRolloutClient], run_dir: Path,
+                          standby: set[str] | None = None) -> Dispatcher:
         """The job's one dispatcher (reflow.scheduler.dispatch): its prompt stream,
         seeded once for the job, and every rollout worker to route to."""
         spec = JobSpec.model_validate_json(record.spec_json)
@@ -168,7 +217,8 @@ class Scheduler:
                           seed=spec.seed + 1)
         dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
                                 dict(zip(placement.rollout_addresses, rollouts)), task,
-                                events_path=run_dir / "scheduler_events.jsonl")
+                                events_path=run_dir / "scheduler_events.jsonl",
+                                standby=standby)
         with self._lock:
             self._dispatchers[record.job_id] = dispatcher
         dispatcher.start()
@@ -200,24 +250,42 @@ class Scheduler:
             record.phase, record.reason, record.started_at = "RUNNING", "", time.time()
             record.workers = placement.workers
             self.store.save(record)
+            spec = JobSpec.model_validate_json(record.spec_json)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
-            # The trainer gives rollout worker i rank i+1 of its weight-sync group.
+            # Each rollout engine's place in the trainer's weight-sync group, as the
+            # trainer will build it (weightsync.RankPlan).
             trainer_host = placement.trainer_address.rpartition(":")[0]
-            for rank, client in enumerate(rollouts, start=1):
+            plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
+            for i, client in enumerate(rollouts):
                 client.start_job(record.job_id, record.spec_json, placement.replay_address,
-                                 rank, len(rollouts) + 1, trainer_host)
+                                 plan.first_rank(i), plan.world_size, trainer_host)
+            pool = None
+            if placement.worker_addresses:
+                pool = self._start_pool(record, spec, placement, trainer, trainer_host)
             trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
-                              placement.rollout_addresses, str(run_dir))
-            dispatcher = self._start_dispatcher(record, placement, rollouts, run_dir)
-            planner = self._planner(JobSpec.model_validate_json(record.spec_json),
-                                    len(rollouts) + 1)
+                              placement.rollout_addresses, str(run_dir),
+                              trainer_peers=pool.trainer_peers if pool else [])
+            dispatcher = self._start_dispatcher(record, placement, rollouts, run_dir,
+                                                pool.standby_engines if pool else set())
+            if pool is not None:
+                pool.dispatcher, pool.record = dispatcher, dispatcher.record
+                pool.start_roles()
+                record.workers = pool.by_role()
+                with self._lock:
+                    self._pools[record.job_id] = pool
+            planner = self._planner(spec, len(placement.worker_addresses)
+                                    or len(rollouts) + 1)
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
-                                                      dispatcher, stop, planner)
+                                                      dispatcher, stop, planner, pool)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
             logger.exception("job %s failed", record.job_id)
             record.phase, record.reason = "FAILED", f"{type(err).__name__}: {err}"
         finally:
+            with self._lock:
+                pool = self._pools.pop(record.job_id, None)
+            if pool is not None:
+                pool.stop()
             if dispatcher is not None:
                 dispatcher.stop()
                 dispatcher.replay.close()
@@ -236,9 +304,11 @@ class Scheduler:
         backend has no room; None when the job is stopped before it gets any."""
         while True:
             try:
-                return self.backend.place(
-                    record.job_id, run_dir,
-                    colocated=JobSpec.model_validate_json(record.spec_json).colocated)
+                spec = JobSpec.model_validate_json(record.spec_json)
+                if spec.cluster.workers:
+                    return self.backend.place(record.job_id, run_dir, colocated=spec.colocated,
+                                              workers=spec.cluster.workers)
+                return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
             except NoCapacity as err:
                 if record.reason != str(err):
                     record.reason = str(err)
@@ -248,8 +318,8 @@ class Scheduler:
 
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
-               stop: threading.Event,
-               planner: PlacementPlanner | None = None) -> tuple[str, str]:
+               stop: threading.Event, planner: PlacementPlanner | None = None,
+               pool: ElasticPool | None = None) -> tuple[str, str]:
         while True:
             if stop.wait(POLL_INTERVAL_S):
                 trainer.stop_job(record.job_id)
@@ -271,11 +341,17 @@ class Scheduler:
             status = trainer.status(record.job_id, since_step=record.step)
             if planner is not None:
                 self._observe_placement(planner, dispatcher, status.metrics)
+            if pool is not None:
+                pool.schedule(status.step)
+                record.workers = pool.by_role()
             self._update_progress(record, status)
             if status.state == "succeeded":
                 return "SUCCEEDED", ""
             if status.state == "failed":
                 return "FAILED", f"trainer: {status.error}"
+            if pool is not None and pool.error:
+                trainer.stop_job(record.job_id)
+                return "FAILED", f"elastic pool: {pool.error}"
 
     @staticmethod
     def _observe_placement(planner: PlacementPlanner, dispatcher: Dispatcher,
@@ -290,7 +366,8 @@ class Scheduler:
                 continue
             window = WindowMeasurement(
                 step=int(m["step"]), window_s=float(m["step_time_s"]),
-                rollout_workers=int(m.get("rollout_workers", 1)), trainer_workers=1,
+                rollout_workers=int(m.get("rollout_workers", 1)),
+                trainer_workers=int(m.get("trainer_workers", 1)),
                 produced_samples=float(m["generated_samples"]),
                 consumed_samples=float(m["fresh_samples"] + m["stale_samples"]
                                        + m["replay_samples"]),

@@ -17,6 +17,11 @@ class TrainerStatus:
     error: str = ""
     # Per-step records after the requested since_step, oldest first.
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # The data-parallel group: replicas in it, membership epoch in force, and
+    # how long its last rebuild took.
+    group_size: int = 1
+    membership_epoch: int = 0
+    last_regroup_s: float = 0.0
 
 
 class GrpcTrainerClient:
@@ -30,12 +35,15 @@ class GrpcTrainerClient:
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
     def start_job(self, job_id: str, spec_json: str, replay_address: str,
-                  rollout_addresses: list[str], run_dir: str = "") -> None:
+                  rollout_addresses: list[str], run_dir: str = "",
+                  trainer_peers: list[str] | None = None, leader_host: str = "") -> None:
+        """With `leader_host`: load a warm replica of the job's trainer group."""
         from reflow.v1 import common_pb2
 
         req = common_pb2.StartJobRequest(
             job_id=job_id, spec_json=spec_json, replay_address=replay_address,
             rollout_addresses=rollout_addresses, run_dir=run_dir,
+            trainer_peers=trainer_peers or [], leader_host=leader_host,
         )
         self._stub.StartJob(req, timeout=self.deadline_s)
 
@@ -52,7 +60,24 @@ class GrpcTrainerClient:
         m = self._stub.GetStatus(req, timeout=self.deadline_s)
         return TrainerStatus(m.job_id, m.state, m.step, m.policy_version,
                              json.loads(m.last_metrics_json or "{}"), m.error,
-                             [json.loads(r) for r in m.metrics_json])
+                             [json.loads(r) for r in m.metrics_json],
+                             m.group_size, m.membership_epoch, m.last_regroup_s)
+
+    def reconfigure(self, job_id: str, trainer_peers: list[str]) -> int:
+        """Leader: the group's next replicas; returns the epoch they take effect as."""
+        from reflow.v1 import trainer_pb2
+
+        req = trainer_pb2.ReconfigureRequest(job_id=job_id, trainer_peers=trainer_peers)
+        return self._stub.Reconfigure(req, timeout=self.deadline_s).membership_epoch
+
+    def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,
+                   membership_epoch: int) -> None:
+        from reflow.v1 import trainer_pb2
+
+        req = trainer_pb2.JoinGroupRequest(job_id=job_id, master_port=master_port, rank=rank,
+                                           world_size=world_size,
+                                           membership_epoch=membership_epoch)
+        self._stub.JoinGroup(req, timeout=self.deadline_s)
 
     def close(self) -> None:
         self._channel.close()

@@ -20,19 +20,20 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from reflow.core.config import JobSpec
-from reflow.core.types import Batch, Trajectory
+from reflow.core.types import Batch
 from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.trainer.loss import LossStats, grpo_token_loss, replay_sample_weights, token_logprobs
-from reflow.weightsync import DEFAULT_BUCKET_BYTES, make_group, send_weights, specs_of
+from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
+from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
+                               send_weights, specs_of)
 
 RECENT_METRICS_STEPS = 4096
 
@@ -41,53 +42,6 @@ logger = logging.getLogger(__name__)
 
 class JobStopped(Exception):
     """The job was asked to stop."""
-
-
-@dataclass
-class TensorBatch:
-    input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    old_logprobs: torch.Tensor  # [B, T-1], aligned with targets input_ids[:, 1:]
-    loss_mask: torch.Tensor  # [B, T-1]
-    advantages: torch.Tensor  # [B]
-
-
-def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device) -> TensorBatch:
-    """Right-pad prompt+response sequences; logprobs and masks are placed on the
-    positions that predict each response token."""
-    length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
-    n = len(trajectories)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, length), dtype=torch.long)
-    old = torch.zeros((n, length - 1), dtype=torch.float32)
-    mask = torch.zeros((n, length - 1), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        p, r = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
-        attention[i, : p + r] = 1
-        # Position j predicts token j+1, so response token k sits at p-1+k.
-        old[i, p - 1 : p - 1 + r] = torch.tensor(t.logprobs)
-        mask[i, p - 1 : p - 1 + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
-    return TensorBatch(
-        input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device))
-
-
-def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
-    """Indices of a step's sequences cut into micro-batches of at most `max_tokens`
-    padded tokens (sequences x longest), longest first, so each pads only to
-    sequences of about its own length. A sequence longer than the budget goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    if max_tokens is None:
-        return [order] if order else []
-    plan: list[list[int]] = []
-    for i in order:
-        # Sorted longest first: a micro-batch's first sequence is its longest.
-        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens:
-            plan[-1].append(i)
-        else:
-            plan.append([i])
-    return plan
 
 
 class TrainLoop:
@@ -101,7 +55,11 @@ class TrainLoop:
         device: torch.device | None = None,
         master_address: str = "127.0.0.1",
         metrics: Any = None,
+        trainer_client_factory: Any = None,
     ) -> None:
+        """`replay` None: a replica of the trainer group (trainer/replica.py), which
+        never talks to the buffer. `trainer_client_factory(address)`: how the leader
+        reaches its replicas (GrpcTrainerClient by default)."""
         self.job_id = job_id
         self.spec = spec
         self.replay = replay
@@ -119,6 +77,15 @@ class TrainLoop:
         self._stop = threading.Event()
         self._sync_group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(rollouts)), thread_name_prefix="wsync")
+        # The data-parallel trainer group (trainer/dp.py): None while this trainer
+        # trains alone. Membership changes wait for a step boundary.
+        self.group: TrainerGroup | None = None
+        self.peers: list[str] = []
+        self.membership_epoch = 0
+        self.last_regroup_s = 0.0
+        self._pending_peers: list[str] | None = None
+        self._membership_lock = threading.Lock()
+        self._trainer_client_factory = trainer_client_factory
 
     def stop(self) -> None:
         self._stop.set()
@@ -151,21 +118,28 @@ class TrainLoop:
         # Start-up (model and optimizer built), reported with the first step.
         self.startup_s = time.monotonic() - started
         # The buffer composes batches and evicts by these settings (σ, δ, plug-ins).
-        self.replay.configure(self.job_id, self.spec.replay)
+        if self.replay is not None:
+            self.replay.configure(self.job_id, self.spec.replay)
 
     def init_weight_sync(self) -> None:
-        """Build the broadcast group: trainer rank 0, rollout worker i rank i+1."""
+        """Build the broadcast group: trainer rank 0, then each rollout engine's
+        tensor-parallel workers in turn (weightsync.RankPlan; with TP 1 engine i is
+        rank i+1)."""
         named = self._named_weights()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         port = free_port()
-        world = 1 + len(self.rollouts)
+        tp = self.spec.rollout.tensor_parallel_size
+        plan = RankPlan.for_engines([tp] * len(self.rollouts))
+        world = plan.world_size
         tensors = [(s.name, list(s.shape), s.dtype) for s in specs_of(named)]
+        # On nccl an engine on the trainer's own GPU refuses to join (weightsync).
+        device_uuid = cuda_device_uuid(self.device) if backend == "nccl" else ""
         futures = [
             self._pool.submit(
                 client.init_weight_sync,
                 self.job_id,
-                WeightSyncSpec(self.master_address, port, i + 1, world, backend, tensors,
-                               DEFAULT_BUCKET_BYTES),
+                WeightSyncSpec(self.master_address, port, plan.first_rank(i), world, backend,
+                               tensors, DEFAULT_BUCKET_BYTES, tp, device_uuid),
             )
             for i, client in enumerate(self.rollouts)
         ]
@@ -179,10 +153,63 @@ class TrainLoop:
         # which is what the engines' checkpoint loaders expect.
         return [(n, p) for n, p in self.model.named_parameters()]
 
+    # --- the data-parallel group (paper §5) ------------------------------------------
+
+    @property
+    def group_timeout_s(self) -> float:
+        """A replica waits for the leader's next command at most this long: a batch
+        wait, plus a step."""
+        return self.spec.trainer.batch_timeout_s + 600.0
+
+    def reconfigure(self, peers: list[str]) -> int:
+        """The group's next replicas besides this leader; applied at the next step
+        boundary after a publish (`apply_membership`). Returns the epoch it takes."""
+        with self._membership_lock:
+            self._pending_peers = list(peers)
+            return self.membership_epoch + 1
+
+    def apply_membership(self) -> None:
+        """Rebuild the group for a pending membership: the current replicas drop
+        out (`regroup`), every replica of the new membership joins a fresh group
+        and receives this leader's parameters and optimizer state."""
+        with self._membership_lock:
+            peers, self._pending_peers = self._pending_peers, None
+        if peers is None:
+            return
+        started = time.monotonic()
+        epoch = self.membership_epoch + 1
+        if self.group is not None:
+            self.group.send_command("regroup", self.step)
+            self.group = None
+        if peers:
+            from reflow.trainer.client import GrpcTrainerClient
+
+            factory = self._trainer_client_factory or GrpcTrainerClient
+            port, world = free_port(), 1 + len(peers)
+            joins = [self._pool.submit(factory(address).join_group, self.job_id, port, rank,
+                                       world, epoch)
+                     for rank, address in enumerate(peers, start=1)]
+            group = TrainerGroup.build(self.master_address, port, 0, world, epoch,
+                                       self.device, self.group_timeout_s)
+            for f in joins:
+                f.result()
+            group.broadcast_state(self.model, self.optimizer)
+            self.group = group
+        with self._membership_lock:
+            self.peers, self.membership_epoch = peers, epoch
+        self.last_regroup_s = time.monotonic() - started
+        logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs)", self.job_id, epoch,
+                    1 + len(peers), self.last_regroup_s)
+
+    @property
+    def group_size(self) -> int:
+        return 1 + len(self.peers) if self.group is not None else 1
+
     # --- the loop -----------------------------------------------------------------
 
     def run(self) -> None:
         start = time.monotonic()
+        self.apply_membership()  # the replicas the job starts with
         rollout_before = self._rollout_totals()
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
@@ -212,14 +239,18 @@ class TrainLoop:
             sync_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
                 sync_s = self._publish()
+                # Roles move at sync boundaries only (paper §5).
+                self.apply_membership()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
             rollout_now = self._rollout_totals()
             record = self._metrics(batch, stats, wait_s, sync_s, step_s,
-                                   [now - before for now, before in zip(rollout_now, rollout_before)],
+                                   self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
             self._emit(record)
+        if self.group is not None:
+            self.group.send_command("stop", self.step)
 
     def _give_back(self, batch: Batch) -> None:
         """A batch that will not be trained (the job stopped or the step failed)
@@ -278,53 +309,12 @@ class TrainLoop:
                 raise RuntimeError(f"rollout worker {client.address} failed: {stats.error}")
 
     def _train_step(self, batch: Batch):
-        trajectories = batch.trajectories
-        # Replayed samples weigh τ, then the batch is renormalised (paper §4.1), over
-        # the whole step's batch before it is cut into micro-batches.
-        weights = replay_sample_weights(
-            torch.tensor([t.uses for t in trajectories], dtype=torch.long),
-            torch.tensor([t.num_tokens for t in trajectories], dtype=torch.long),
-            self.spec.replay.replay_weight).to(self.device)
-        batch_tokens = float(sum(t.num_tokens for t in trajectories))
-        plan = plan_micro_batches([len(t.prompt_ids) + len(t.response_ids) for t in trajectories],
-                                  self.spec.trainer.max_tokens_per_micro_batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        stat_sums = {"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0}
-        per_sample: dict[int, tuple[float, float]] = {}
-        for indices in plan:
-            tb = collate([trajectories[i] for i in indices], self.pad_id, self.device)
-            logits = self.model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits
-            # The engine sampled from softmax(logits / T); score under the same law.
-            logits = logits[:, :-1] / self.spec.rollout.temperature
-            new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
-            loss, stats = grpo_token_loss(
-                new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask,
-                self.spec.trainer.clip_eps, sample_weights=weights[indices],
-                num_batch_tokens=batch_tokens)
-            loss.backward()  # gradients accumulate: the sum is the whole batch's
-            loss_total += stats.loss
-            share = float(tb.loss_mask.sum()) / max(batch_tokens, 1.0)
-            for name in stat_sums:
-                stat_sums[name] += getattr(stats, name) * share
-            with torch.no_grad():
-                ratio = torch.exp((new_logprobs - tb.old_logprobs) * tb.loss_mask) * tb.loss_mask
-                clipped = ((ratio - 1.0).abs() > self.spec.trainer.clip_eps) * tb.loss_mask
-                denom = tb.loss_mask.sum(-1).clamp(min=1.0)
-                for i, r, c in zip(indices, (ratio.sum(-1) / denom).tolist(),
-                                   (clipped.sum(-1) / denom).tolist()):
-                    per_sample[i] = (r, c)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.spec.trainer.max_grad_norm
-        )
-        self.optimizer.step()
-        stats = LossStats(loss=loss_total, **stat_sums)
-        sample_stats = {
-            t.sample_id: {"ratio_mean": per_sample[i][0], "clip_fraction": per_sample[i][1],
-                          "loss_weight": float(weights[i])}
-            for i, t in enumerate(trajectories)
-        }
-        return (stats, float(grad_norm)), sample_stats
+        group = self.group
+        if group is not None:
+            # The replicas compute their shares of the same batch (trainer/dp.py).
+            group.send_command("train", self.step + 1, batch.trajectories)
+        return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
+                            self.pad_id, self.device, group)
 
     def _publish(self) -> float:
         """Send the weights to every rollout worker as version v+1, then tell the buffer."""
@@ -342,19 +332,31 @@ class TrainLoop:
         self.replay.publish_version(self.job_id, version)
         return time.monotonic() - t0
 
-    def _rollout_totals(self) -> tuple[float, float, float, float]:
-        """Idle seconds, occupancy seconds, generated tokens and finished samples,
-        summed over the rollout workers."""
-        stats = [c.stats(self.job_id) for c in self.rollouts]
-        return (sum(s.idle_seconds_total for s in stats),
-                sum(s.occupancy_seconds_total for s in stats),
-                float(sum(s.generated_tokens_total for s in stats)),
-                float(sum(s.finished_samples_total for s in stats)))
+    def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
+        """Per rollout engine: whether it generates now (an engine of a worker in the
+        trainer role stands by), and its idle seconds, occupancy seconds, generated
+        tokens and finished samples so far."""
+        out = {}
+        for c in self.rollouts:
+            s = c.stats(self.job_id)
+            out[c.address] = (s.state != "standby",
+                              (s.idle_seconds_total, s.occupancy_seconds_total,
+                               float(s.generated_tokens_total), float(s.finished_samples_total)))
+        return out
+
+    @staticmethod
+    def _rollout_delta(before: dict, now: dict) -> list[float]:
+        """The step's idle, occupancy, tokens and samples over the engines generating
+        now, and their number."""
+        active = [(totals, before.get(address, (True, totals))[1])
+                  for address, (generating, totals) in now.items() if generating]
+        sums = [sum(t[k] - b[k] for t, b in active) for k in range(4)]
+        return [*sums, float(len(active))]
 
     def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, step_s: float,
                  rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
         loss_stats, grad_norm = stats
-        rollout_idle_s, occupancy_s, generated_tokens, finished_samples = rollout_delta
+        rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
         trajs = batch.trajectories
         trained_tokens = sum(t.num_tokens for t in trajs)
         # Staleness against the version the batch was leased (and trained) under,
@@ -366,7 +368,7 @@ class TrainLoop:
         for s in staleness:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
         buffer = self.replay.stats(self.job_id)
-        num_workers = max(1, len(self.rollouts))
+        num_workers = max(1, int(active))
         startup: dict[str, float] = {}
         if self.step == 1:
             # Start-up, once, apart from the steady state: this trainer's model and
@@ -393,6 +395,9 @@ class TrainLoop:
             # Samples the engines finished during this step: production, for placement.
             "generated_samples": int(finished_samples),
             "rollout_workers": num_workers,
+            # The trainer group this step ran on (paper §5's elastic pool).
+            "trainer_workers": self.group_size,
+            "membership_epoch": self.membership_epoch,
             "generation_tokens_per_s": generated_tokens / step_s if step_s > 0 else 0.0,
             "fresh_samples": fresh,
             "stale_samples": len(trajs) - fresh - replayed,

@@ -20,7 +20,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         try:
             spec = JobSpec.model_validate_json(request.spec_json)
             self.service.start_job(request.job_id, spec, request.replay_address,
-                                   list(request.rollout_addresses), request.run_dir)
+                                   list(request.rollout_addresses), request.run_dir,
+                                   list(request.trainer_peers), request.leader_host)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return common_pb2.Ack(ok=True)
@@ -42,7 +43,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             policy_version=s["policy_version"],
             last_metrics_json=json.dumps(s["last_metrics"]), error=s["error"],
             metrics_json=[json.dumps(r) for r in s["metrics"]],
+            group_size=s["group_size"], membership_epoch=s["membership_epoch"],
+            last_regroup_s=s["last_regroup_s"],
         )
+
+    def Reconfigure(self, request, context):
+        try:
+            epoch = self.service.reconfigure(request.job_id, list(request.trainer_peers))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return trainer_pb2.ReconfigureReply(membership_epoch=epoch)
+
+    def JoinGroup(self, request, context):
+        try:
+            self.service.join_group(request.job_id, request.master_port, request.rank,
+                                    request.world_size, request.membership_epoch)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
 
 
 SERVICE_NAME = "reflow.v1.Trainer"

@@ -10,10 +10,14 @@ from pathlib import Path
 
 from reflow.core.config import JobSpec, check_job_id
 from reflow.core.errors import FailedPrecondition
+from reflow.core.paths import check_address
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.trainer.loop import JobStopped, TrainLoop
+
+# A replica's states that end its part in a job.
+TERMINAL = ("succeeded", "failed", "stopped")
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +38,28 @@ class TrainerService:
         self.state = "idle"
         self.error = ""
         self.loop: TrainLoop | None = None
+        self.replica = None  # TrainerReplica, for an elastic job led elsewhere
         self._thread: threading.Thread | None = None
 
     def start_job(self, job_id: str, spec: JobSpec, replay_address: str,
-                  rollout_addresses: list[str], run_dir: str) -> None:
+                  rollout_addresses: list[str], run_dir: str,
+                  trainer_peers: list[str] | None = None, leader_host: str = "") -> None:
+        """Run a job's training loop here; with `leader_host`, only load a warm
+        replica of the job's trainer group (trainer/replica.py), to be joined into
+        the group of the leader on that host. `trainer_peers`: the replicas the
+        leader's group starts with."""
         check_job_id(job_id)
+        if leader_host:
+            return self._start_replica(job_id, spec, leader_host)
+        peers = [check_address(a, "trainer_peers") for a in trainer_peers or []]
+        if len(peers) >= MAX_ROLLOUT_WORKERS:
+            raise ValueError(f"trainer_peers: {len(peers)} given; at most "
+                             f"{MAX_ROLLOUT_WORKERS - 1}")
         if not 1 <= len(rollout_addresses) <= MAX_ROLLOUT_WORKERS:
             raise ValueError(f"rollout_addresses: {len(rollout_addresses)} given; a job has 1 to "
                              f"{MAX_ROLLOUT_WORKERS} rollout workers")
         # Paths from the request resolve under this process's roots, or are refused.
-        model_path = self.roots.model_dir(spec.model.path)
-        spec = spec.model_copy(update={"model": spec.model.model_copy(
-            update={"path": str(model_path)})})
+        spec = self._confined(spec)
         run_dir = str(self.roots.run_dir(run_dir)) if run_dir else ""
         with self._lock:
             if self.state in ("starting", "running"):
@@ -60,8 +74,61 @@ class TrainerService:
                 master_address=os.environ.get("REFLOW_POD_IP", "127.0.0.1"),
                 metrics=self.metrics,
             )
+            if peers:
+                self.loop.reconfigure(peers)
             self._thread = threading.Thread(target=self._run, name="train-loop", daemon=True)
             self._thread.start()
+
+    def _start_replica(self, job_id: str, spec: JobSpec, leader_host: str) -> None:
+        if len(leader_host) > 253 or not leader_host.strip():
+            raise ValueError("leader_host: the trainer leader's host (at most 253 characters)")
+        spec = self._confined(spec)
+        with self._lock:
+            if self.replica is not None and self.replica.job_id == job_id:
+                return  # a retried start
+            if self.state in ("starting", "running") or (
+                    self.replica is not None and self.replica.state not in TERMINAL):
+                raise FailedPrecondition(f"this trainer already serves job {self.job_id}")
+            from reflow.trainer.replica import TrainerReplica
+
+            self.job_id, self.state, self.error = job_id, "replica", ""
+            self.replica = TrainerReplica(job_id, spec, leader_host)
+            threading.Thread(target=self._load_replica, args=(self.replica,),
+                             name="replica-load", daemon=True).start()
+
+    @staticmethod
+    def _load_replica(replica) -> None:
+        from reflow.models.tiny import ensure_model
+
+        spec = replica.loop.spec
+        ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
+        replica.load()
+
+    def _confined(self, spec: JobSpec) -> JobSpec:
+        """The spec with its model path resolved under this process's models root."""
+        model_path = self.roots.model_dir(spec.model.path)
+        return spec.model_copy(update={"model": spec.model.model_copy(
+            update={"path": str(model_path)})})
+
+    def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,
+                   epoch: int) -> None:
+        """Replica: join the leader's group (on the leader host fixed at start)."""
+        self._replica_for(job_id).join(master_port, rank, world_size, epoch)
+
+    def reconfigure(self, job_id: str, peers: list[str]) -> int:
+        """Leader: the group's next replicas, applied at the next sync boundary."""
+        peers = [check_address(a, "trainer_peers") for a in peers]
+        if len(peers) >= MAX_ROLLOUT_WORKERS:
+            raise ValueError(f"trainer_peers: at most {MAX_ROLLOUT_WORKERS - 1}")
+        if job_id != self.job_id or self.loop is None or self.state not in ("starting",
+                                                                            "running"):
+            raise FailedPrecondition(f"job {job_id[:80]!r} is not training on this trainer")
+        return self.loop.reconfigure(peers)
+
+    def _replica_for(self, job_id: str):
+        if self.replica is None or self.replica.job_id != job_id:
+            raise FailedPrecondition(f"job {job_id[:80]!r} has no replica on this trainer")
+        return self.replica
 
     def _run(self) -> None:
         loop = self.loop
@@ -87,6 +154,9 @@ class TrainerService:
             loop.close()
 
     def stop_job(self, job_id: str) -> None:
+        if self.replica is not None and self.replica.job_id == job_id:
+            self.replica.stop()
+            return
         if job_id != self.job_id or self.loop is None:
             raise KeyError(f"job {job_id!r} does not run on this trainer")
         self.loop.stop()
@@ -98,8 +168,17 @@ class TrainerService:
         steps after it that are still in the trainer's window."""
         if job_id and job_id != self.job_id:
             raise KeyError(f"job {job_id!r} does not run on this trainer")
+        replica = self.replica
+        if replica is not None and replica.job_id == self.job_id:
+            return {"job_id": self.job_id, "state": replica.state, "step": replica.step,
+                    "policy_version": 0, "last_metrics": {}, "error": replica.error,
+                    "metrics": [], "group_size": 0, "membership_epoch": replica.epoch,
+                    "last_regroup_s": 0.0}
         loop = self.loop
         return {
+            "group_size": loop.group_size if loop else 1,
+            "membership_epoch": loop.membership_epoch if loop else 0,
+            "last_regroup_s": loop.last_regroup_s if loop else 0.0,
             "job_id": self.job_id,
             "state": self.state,
             "step": loop.step if loop else 0,

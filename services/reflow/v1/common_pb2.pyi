@@ -49,7 +49,7 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StartJobRequest(_message.Message):
-    __slots__ = ("job_id", "spec_json", "replay_address", "rollout_addresses", "run_dir", "weight_sync_rank", "weight_sync_world_size", "trainer_host")
+    __slots__ = ("job_id", "spec_json", "replay_address", "rollout_addresses", "run_dir", "weight_sync_rank", "weight_sync_world_size", "trainer_host", "trainer_peers", "leader_host")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,8 @@ class StartJobRequest(_message.Message):
     WEIGHT_SYNC_RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_HOST_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_HOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec_json: str
     replay_address: str
@@ -66,7 +68,9 @@ class StartJobRequest(_message.Message):
     weight_sync_rank: int
     weight_sync_world_size: int
     trainer_host: str
-    def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., replay_address: _Optional[str] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ..., weight_sync_rank: _Optional[int] = ..., weight_sync_world_size: _Optional[int] = ..., trainer_host: _Optional[str] = ...) -> None: ...
+    trainer_peers: _containers.RepeatedScalarFieldContainer[str]
+    leader_host: str
+    def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., replay_address: _Optional[str] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ..., weight_sync_rank: _Optional[int] = ..., weight_sync_world_size: _Optional[int] = ..., trainer_host: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ..., leader_host: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok", "message")

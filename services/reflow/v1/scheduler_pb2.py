@@ -25,33 +25,39 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import common_pb2 as reflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19reflow/v1/scheduler.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"D\n\x0eSubmitJobReply\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.reflow.v1.JobStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"F\n\x10SubmitJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\"\x82\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x1c\n\x14trainer_tokens_per_s\x18\x08 \x01(\x01\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x12\n\nstarted_at\x18\n \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0b \x01(\x01\x12\x0f\n\x07run_dir\x18\x0c \x01(\t\x12\x0c\n\x04name\x18\r \x01(\t\"4\n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"L\n\rListJobsReply\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.reflow.v1.JobStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"E\n\x0eJobLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x12\n\ntail_bytes\x18\x03 \x01(\x03\">\n\nServiceLog\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"3\n\x0cJobLogsReply\x12#\n\x04logs\x18\x01 \x03(\x0b\x32\x15.reflow.v1.ServiceLog\"F\n\x11JobMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsince_step\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\"\'\n\x0fJobMetricsReply\x12\x14\n\x0crecords_json\x18\x01 \x03(\t2\x86\x03\n\tScheduler\x12\x43\n\tSubmitJob\x12\x1b.reflow.v1.SubmitJobRequest\x1a\x19.reflow.v1.SubmitJobReply\x12\x31\n\x06GetJob\x12\x11.reflow.v1.JobRef\x1a\x14.reflow.v1.JobStatus\x12\x32\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x14.reflow.v1.JobStatus\x12@\n\x08ListJobs\x12\x1a.reflow.v1.ListJobsRequest\x1a\x18.reflow.v1.ListJobsReply\x12@\n\nGetJobLogs\x12\x19.reflow.v1.JobLogsRequest\x1a\x17.reflow.v1.JobLogsReply\x12I\n\rGetJobMetrics\x12\x1c.reflow.v1.JobMetricsRequest\x1a\x1a.reflow.v1.JobMetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19reflow/v1/scheduler.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\";\n\x0b\x46lipRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\x05\x12\x0c\n\x04role\x18\x03 \x01(\t\"\"\n\tFlipReply\x12\x15\n\rqueued_before\x18\x01 \x01(\x05\"D\n\x0eSubmitJobReply\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.reflow.v1.JobStatus\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"F\n\x10SubmitJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x0f\n\x07run_dir\x18\x03 \x01(\t\"\xab\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x11\n\tnum_steps\x18\x05 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x1c\n\x14trainer_tokens_per_s\x18\x08 \x01(\x01\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x12\n\nstarted_at\x18\n \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x0b \x01(\x01\x12\x0f\n\x07run_dir\x18\x0c \x01(\t\x12\x0c\n\x04name\x18\r \x01(\t\x12\'\n\x07workers\x18\x0e \x03(\x0b\x32\x16.reflow.v1.RoleWorkers\"*\n\x0bRoleWorkers\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"4\n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"L\n\rListJobsReply\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.reflow.v1.JobStatus\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"E\n\x0eJobLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x12\n\ntail_bytes\x18\x03 \x01(\x03\">\n\nServiceLog\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttruncated\x18\x03 \x01(\x08\"3\n\x0cJobLogsReply\x12#\n\x04logs\x18\x01 \x03(\x0b\x32\x15.reflow.v1.ServiceLog\"F\n\x11JobMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsince_step\x18\x02 \x01(\x03\x12\r\n\x05limit\x18\x03 \x01(\x05\"\'\n\x0fJobMetricsReply\x12\x14\n\x0crecords_json\x18\x01 \x03(\t2\xc3\x03\n\tScheduler\x12\x43\n\tSubmitJob\x12\x1b.reflow.v1.SubmitJobRequest\x1a\x19.reflow.v1.SubmitJobReply\x12\x31\n\x06GetJob\x12\x11.reflow.v1.JobRef\x1a\x14.reflow.v1.JobStatus\x12\x32\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x14.reflow.v1.JobStatus\x12@\n\x08ListJobs\x12\x1a.reflow.v1.ListJobsRequest\x1a\x18.reflow.v1.ListJobsReply\x12@\n\nGetJobLogs\x12\x19.reflow.v1.JobLogsRequest\x1a\x17.reflow.v1.JobLogsReply\x12I\n\rGetJobMetrics\x12\x1c.reflow.v1.JobMetricsRequest\x1a\x1a.reflow.v1.JobMetricsReply\x12;\n\x0bRequestFlip\x12\x16.reflow.v1.FlipRequest\x1a\x14.reflow.v1.FlipReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'reflow.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITJOBREPLY']._serialized_start=64
-  _globals['_SUBMITJOBREPLY']._serialized_end=132
-  _globals['_SUBMITJOBREQUEST']._serialized_start=134
-  _globals['_SUBMITJOBREQUEST']._serialized_end=204
-  _globals['_JOBSTATUS']._serialized_start=207
-  _globals['_JOBSTATUS']._serialized_end=465
-  _globals['_LISTJOBSREQUEST']._serialized_start=467
-  _globals['_LISTJOBSREQUEST']._serialized_end=519
-  _globals['_LISTJOBSREPLY']._serialized_start=521
-  _globals['_LISTJOBSREPLY']._serialized_end=597
-  _globals['_JOBLOGSREQUEST']._serialized_start=599
-  _globals['_JOBLOGSREQUEST']._serialized_end=668
-  _globals['_SERVICELOG']._serialized_start=670
-  _globals['_SERVICELOG']._serialized_end=732
-  _globals['_JOBLOGSREPLY']._serialized_start=734
-  _globals['_JOBLOGSREPLY']._serialized_end=785
-  _globals['_JOBMETRICSREQUEST']._serialized_start=787
-  _globals['_JOBMETRICSREQUEST']._serialized_end=857
-  _globals['_JOBMETRICSREPLY']._serialized_start=859
-  _globals['_JOBMETRICSREPLY']._serialized_end=898
-  _globals['_SCHEDULER']._serialized_start=901
-  _globals['_SCHEDULER']._serialized_end=1291
+  _globals['_FLIPREQUEST']._serialized_start=64
+  _globals['_FLIPREQUEST']._serialized_end=123
+  _globals['_FLIPREPLY']._serialized_start=125
+  _globals['_FLIPREPLY']._serialized_end=159
+  _globals['_SUBMITJOBREPLY']._serialized_start=161
+  _globals['_SUBMITJOBREPLY']._serialized_end=229
+  _globals['_SUBMITJOBREQUEST']._serialized_start=231
+  _globals['_SUBMITJOBREQUEST']._serialized_end=301
+  _globals['_JOBSTATUS']._serialized_start=304
+  _globals['_JOBSTATUS']._serialized_end=603
+  _globals['_ROLEWORKERS']._serialized_start=605
+  _globals['_ROLEWORKERS']._serialized_end=647
+  _globals['_LISTJOBSREQUEST']._serialized_start=649
+  _globals['_LISTJOBSREQUEST']._serialized_end=701
+  _globals['_LISTJOBSREPLY']._serialized_start=703
+  _globals['_LISTJOBSREPLY']._serialized_end=779
+  _globals['_JOBLOGSREQUEST']._serialized_start=781
+  _globals['_JOBLOGSREQUEST']._serialized_end=850
+  _globals['_SERVICELOG']._serialized_start=852
+  _globals['_SERVICELOG']._serialized_end=914
+  _globals['_JOBLOGSREPLY']._serialized_start=916
+  _globals['_JOBLOGSREPLY']._serialized_end=967
+  _globals['_JOBMETRICSREQUEST']._serialized_start=969
+  _globals['_JOBMETRICSREQUEST']._serialized_end=1039
+  _globals['_JOBMETRICSREPLY']._serialized_start=1041
+  _globals['_JOBMETRICSREPLY']._serialized_end=1080
+  _globals['_SCHEDULER']._serialized_start=1083
+  _globals['_SCHEDULER']._serialized_end=1534
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FlipRequest(_message.Message):
+    __slots__ = ("job_id", "worker", "role")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    worker: int
+    role: str
+    def __init__(self, job_id: _Optional[str] = ..., worker: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+
+class FlipReply(_message.Message):
+    __slots__ = ("queued_before",)
+    QUEUED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    queued_before: int
+    def __init__(self, queued_before: _Optional[int] = ...) -> None: ...
+
 class SubmitJobReply(_message.Message):
     __slots__ = ("job", "created")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -26,7 +42,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., run_dir: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "phase", "reason", "step", "num_steps", "policy_version", "reward_mean", "trainer_tokens_per_s", "created_at", "started_at", "finished_at", "run_dir", "name")
+    __slots__ = ("job_id", "phase", "reason", "step", "num_steps", "policy_version", "reward_mean", "trainer_tokens_per_s", "created_at", "started_at", "finished_at", "run_dir", "name", "workers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +56,7 @@ class JobStatus(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     RUN_DIR_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     phase: str
     reason: str
@@ -53,7 +70,16 @@ class JobStatus(_message.Message):
     finished_at: float
     run_dir: str
     name: str
-    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., num_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., trainer_tokens_per_s: _Optional[float] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., run_dir: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[RoleWorkers]
+    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[str] = ..., reason: _Optional[str] = ..., step: _Optional[int] = ..., num_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., reward_mean: _Optional[float] = ..., trainer_tokens_per_s: _Optional[float] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., run_dir: _Optional[str] = ..., name: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[RoleWorkers, _Mapping]]] = ...) -> None: ...
+
+class RoleWorkers(_message.Message):
+    __slots__ = ("role", "names")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("limit", "page_token")

@@ -67,6 +67,11 @@ class SchedulerStub:
                 request_serializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.FromString,
                 _registered_method=True)
+        self.RequestFlip = channel.unary_unary(
+                '/reflow.v1.Scheduler/RequestFlip',
+                request_serializer=reflow_dot_v1_dot_scheduler__pb2.FlipRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.FlipReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -112,6 +117,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestFlip(self, request, context):
+        """Elastic jobs: move one worker to a role. Queued, carried out at the next
+        sync boundary; the job's scheduling events record each phase.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetJobMetrics,
                     request_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.SerializeToString,
+            ),
+            'RequestFlip': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestFlip,
+                    request_deserializer=reflow_dot_v1_dot_scheduler__pb2.FlipRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.FlipReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +328,33 @@ class Scheduler:
             '/reflow.v1.Scheduler/GetJobMetrics',
             reflow_dot_v1_dot_scheduler__pb2.JobMetricsRequest.SerializeToString,
             reflow_dot_v1_dot_scheduler__pb2.JobMetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestFlip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Scheduler/RequestFlip',
+            reflow_dot_v1_dot_scheduler__pb2.FlipRequest.SerializeToString,
+            reflow_dot_v1_dot_scheduler__pb2.FlipReply.FromString,
             options,
             channel_credentials,
             insecure,

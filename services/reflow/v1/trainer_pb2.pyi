@@ -7,6 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReconfigureRequest(_message.Message):
+    __slots__ = ("job_id", "trainer_peers")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PEERS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    trainer_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReconfigureReply(_message.Message):
+    __slots__ = ("membership_epoch",)
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    membership_epoch: int
+    def __init__(self, membership_epoch: _Optional[int] = ...) -> None: ...
+
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("job_id", "master_port", "rank", "world_size", "membership_epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    master_port: int
+    rank: int
+    world_size: int
+    membership_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+
 class TrainerStatusRequest(_message.Message):
     __slots__ = ("job_id", "since_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +44,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "policy_version", "last_metrics_json", "error", "metrics_json")
+    __slots__ = ("job_id", "state", "step", "policy_version", "last_metrics_json", "error", "metrics_json", "group_size", "membership_epoch", "last_regroup_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +52,9 @@ class TrainerStatus(_message.Message):
     LAST_METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_REGROUP_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     step: int
@@ -31,4 +62,7 @@ class TrainerStatus(_message.Message):
     last_metrics_json: str
     error: str
     metrics_json: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., last_metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., metrics_json: _Optional[_Iterable[str]] = ...) -> None: ...
+    group_size: int
+    membership_epoch: int
+    last_regroup_s: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., last_metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., metrics_json: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., last_regroup_s: _Optional[float] = ...) -> None: ...

@@ -51,6 +51,16 @@ class TrainerStub:
                 request_serializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.Reconfigure = channel.unary_unary(
+                '/reflow.v1.Trainer/Reconfigure',
+                request_serializer=reflow_dot_v1_dot_trainer__pb2.ReconfigureRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_trainer__pb2.ReconfigureReply.FromString,
+                _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/reflow.v1.Trainer/JoinGroup',
+                request_serializer=reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -75,6 +85,22 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reconfigure(self, request, context):
+        """Leader: the data-parallel group's next members (the replicas besides the
+        leader). Applied at the next step boundary, after a weight publish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroup(self, request, context):
+        """Replica: join the leader's group, hosted on the leader's host (fixed at
+        StartJob), at this port, rank and size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +118,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'Reconfigure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconfigure,
+                    request_deserializer=reflow_dot_v1_dot_trainer__pb2.ReconfigureRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_trainer__pb2.ReconfigureReply.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +212,60 @@ class Trainer:
             '/reflow.v1.Trainer/GetStatus',
             reflow_dot_v1_dot_trainer__pb2.TrainerStatusRequest.SerializeToString,
             reflow_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconfigure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Trainer/Reconfigure',
+            reflow_dot_v1_dot_trainer__pb2.ReconfigureRequest.SerializeToString,
+            reflow_dot_v1_dot_trainer__pb2.ReconfigureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Trainer/JoinGroup',
+            reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.SerializeToString,
+            reflow_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,217 @@
+"""The elastic resource pool of one job (paper §5): AsyncHybrid workers whose
+roles move between rollout and trainer while the job runs.
+
+Worker 0 holds trainer rank 0 (the leader: it leases batches and publishes
+weights) and keeps it. Every other worker holds a warm engine, in the job's
+weight-sync group from the start, and a warm trainer replica. A flip:
+- rollout -> trainer: the dispatcher stops routing to the worker; the worker's
+  engine stops admitting and its samples in flight finish into the buffer
+  (nothing is cut short or lost); the leader takes the replica into its group
+  at the next sync boundary, sending it parameters and optimizer state.
+- trainer -> rollout: the leader drops the replica from its group at the next
+  sync boundary; the engine, which has loaded every published version
+  meanwhile, admits again; the dispatcher routes to it once it reports running.
+Flips run one at a time on the pool's thread; each is a scheduling event with
+its phases timed, and the job's record lists the workers by role.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from reflow.core.config import JobSpec
+from reflow.core.errors import FailedPrecondition
+
+logger = logging.getLogger(__name__)
+
+# How long a flip may wait for the trainer's next sync boundary, and for the
+# samples in flight on a worker moving to the trainer role.
+BOUNDARY_TIMEOUT_S = 900.0
+DRAIN_TIMEOUT_S = 300.0
+POLL_S = 0.1
+
+
+@dataclass
+class FlipRequest:
+    worker: int
+    role: str
+    reason: str
+
+
+class ElasticPool:
+    def __init__(self, job_id: str, spec: JobSpec, worker_addresses: list[str], leader,
+                 dispatcher, worker_client_factory: Callable[[str], object],
+                 record: Callable[[dict], None]) -> None:
+        """`leader`: the trainer client of worker 0; `dispatcher` the job's
+        Dispatcher (keyed by the rollout workers' addresses); `record` writes a
+        scheduling event."""
+        self.job_id, self.spec = job_id, spec
+        self.addresses = list(worker_addresses)
+        self.roles = [spec.cluster.initial_role(i) for i in range(len(self.addresses))]
+        self.leader, self.dispatcher, self.record = leader, dispatcher, record
+        self._workers = {i: worker_client_factory(a) for i, a in enumerate(self.addresses) if i}
+        self._queue: queue.Queue[FlipRequest | None] = queue.Queue()
+        # Roles once every queued flip is done: what a new request is checked against.
+        self._planned = list(self.roles)
+        self._scheduled = 0  # spec.cluster.flips requested so far
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"elastic-{job_id[:20]}",
+                                        daemon=True)
+        self.flips_done = 0
+        self.error = ""
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def start_roles(self) -> None:
+        """Give every worker but the leader its initial role."""
+        for i, client in self._workers.items():
+            client.set_role(self.job_id, self.roles[i], 0.0)
+        self._thread.start()
+
+    @property
+    def trainer_peers(self) -> list[str]:
+        return [a for i, a in enumerate(self.addresses) if i and self.roles[i] == "trainer"]
+
+    @property
+    def standby_engines(self) -> set[str]:
+        return {a for i, a in enumerate(self.addresses) if i and self.roles[i] == "trainer"}
+
+    def by_role(self) -> dict[str, list[str]]:
+        with self._lock:
+            return {role: [f"worker-{i}" for i, r in enumerate(self.roles) if r == role]
+                    for role in ("trainer", "rollout")}
+
+    # --- requests -----------------------------------------------------------------------
+
+    def request(self, worker: int, role: str, reason: str = "requested") -> int:
+        """Queue a flip of `worker` to `role`; returns the flips queued before it.
+        Refused (ValueError naming the field) if it names no flippable worker, or
+        would leave the job without a rollout worker."""
+        if role not in ("rollout", "trainer"):
+            raise ValueError(f"role: {role[:40]!r} is not one of rollout, trainer")
+        with self._lock:
+            if not 1 <= worker < len(self.addresses):
+                raise ValueError(f"worker: {worker} is not a flippable worker of this job "
+                                 f"(1 to {len(self.addresses) - 1}; 0 holds trainer rank 0)")
+            if self._planned[worker] == role:
+                raise FailedPrecondition(f"worker {worker} is already a {role} worker "
+                                         "(or a queued flip makes it one)")
+            planned = list(self._planned)
+            planned[worker] = role
+            if "rollout" not in planned[1:]:
+                raise FailedPrecondition("the flip would leave the job without a rollout worker")
+            self._planned = planned
+            queued = self._queue.qsize()
+            self._queue.put(FlipRequest(worker, role, reason))
+        return queued
+
+    def schedule(self, step: int) -> None:
+        """Queue the spec's flips (cluster.flips) whose step the trainer has reached."""
+        flips = self.spec.cluster.flips
+        while self._scheduled < len(flips) and flips[self._scheduled].at_step <= step:
+            flip = flips[self._scheduled]
+            self._scheduled += 1
+            try:
+                self.request(flip.worker, flip.role, reason=f"cluster.flips at step {flip.at_step}")
+            except (ValueError, FailedPrecondition) as err:
+                self.record({"event": "role_flip_refused", "worker": flip.worker,
+                             "to": flip.role, "error": str(err)})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    # --- carrying flips out -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            flip = self._queue.get()
+            if flip is None:
+                return
+            try:
+                self._flip(flip)
+            except Exception as err:  # noqa: BLE001 - the job watcher fails the job
+                logger.exception("job %s: role flip failed", self.job_id)
+                self.error = f"flip of worker {flip.worker} to {flip.role}: {err}"
+                self.record({"event": "role_flip_failed", "worker": flip.worker,
+                             "to": flip.role, "error": str(err)[:500]})
+                return
+
+    def _flip(self, flip: FlipRequest) -> None:
+        address, client = self.addresses[flip.worker], self._workers[flip.worker]
+        source = self.roles[flip.worker]
+        started = time.monotonic()
+        phases: dict[str, float] = {}
+        if flip.role == "trainer":
+            # Out of routing first, so nothing new lands while the engine drains.
+            self.dispatcher.set_standby(address, True)
+            t = time.monotonic()
+            client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S)
+            phases["drain_s"] = time.monotonic() - t
+            # The dispatcher's count of the worker's samples still out: the drain
+            # ended each in the buffer, so this is 0 unless something was lost.
+            in_flight = self._await_events(address)
+            self._set_role(flip.worker, "trainer")
+            status = self._regroup()
+            phases["wait_boundary_s"] = status["wait_s"] - status["regroup_s"]
+            phases["regroup_s"] = status["regroup_s"]
+        else:
+            self._set_role(flip.worker, "rollout")
+            status = self._regroup()
+            phases["wait_boundary_s"] = status["wait_s"] - status["regroup_s"]
+            phases["regroup_s"] = status["regroup_s"]
+            t = time.monotonic()
+            client.set_role(self.job_id, "rollout", 0.0)
+            self.dispatcher.set_standby(address, False)
+            while not self.dispatcher.routable(address) and not self._stop.wait(POLL_S):
+                pass
+            phases["admit_s"] = time.monotonic() - t
+        total = time.monotonic() - started
+        self.flips_done += 1
+        self.record({"event": "role_flip", "worker": flip.worker, "from": source,
+                     "to": flip.role, "reason": flip.reason,
+                     **{k: round(v, 3) for k, v in phases.items()},
+                     # The flip's own work, without the wait for the sync boundary.
+                     "flip_s": round(total - phases["wait_boundary_s"], 3),
+                     "total_s": round(total, 3), "trainer_group_size": status["group_size"],
+                     "membership_epoch": status["epoch"],
+                     **({"samples_in_flight": in_flight} if flip.role == "trainer" else {})})
+
+    def _await_events(self, address: str, timeout_s: float = 10.0) -> int:
+        """Samples the dispatcher still counts out on a drained worker, once the
+        worker's last events have reached it (its event reader lags by a poll)."""
+        deadline = time.monotonic() + timeout_s
+        while self.dispatcher.inflight(address) and time.monotonic() < deadline:
+            self._stop.wait(POLL_S)
+        return self.dispatcher.inflight(address)
+
+    def _set_role(self, worker: int, role: str) -> None:
+        with self._lock:
+            self.roles[worker] = role
+
+    def _regroup(self) -> dict:
+        """Hand the leader the new membership and wait until its group applied it at
+        a sync boundary."""
+        started = time.monotonic()
+        epoch = self.leader.reconfigure(self.job_id, self.trainer_peers)
+        deadline = started + BOUNDARY_TIMEOUT_S
+        while not self._stop.is_set():
+            status = self.leader.status(self.job_id)
+            if status.membership_epoch >= epoch:
+                return {"wait_s": time.monotonic() - started, "regroup_s": status.last_regroup_s,
+                        "group_size": status.group_size, "epoch": status.membership_epoch}
+            if status.state in ("succeeded", "failed", "stopped"):
+                raise FailedPrecondition(f"the trainer {status.state} before the flip's sync "
+                                         "boundary")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no sync boundary within {BOUNDARY_TIMEOUT_S:.0f}s")
+            self._stop.wait(POLL_S)
+        raise FailedPrecondition("the job stopped during the flip")

@@ -1,0 +1,182 @@
+"""The trainer role as a data-parallel group (paper §5, elastic resource pool).
+
+Rank 0, the leader, leases each batch from the buffer and broadcasts it to the
+replicas; every rank computes the gradient of its share of the batch under the
+whole batch's normalisation, the gradients are summed across ranks, and every
+rank takes the same optimizer step. Identical start state plus identical
+summed gradients keep the replicas' weights identical after every step.
+
+The group is a private torch.distributed process group (gloo on CPU, NCCL on
+GPU) on its own TCPStore, like the weight-sync group, so it can be torn down
+and rebuilt whenever the membership changes: a replica joins by receiving the
+leader's parameters and optimizer state, a replica leaves by dropping out of
+the next group (its state stays in its process's memory).
+
+Commands travel as a small JSON header and, for a batch, the trajectories'
+protobuf encoding: data, never code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reflow.core.types import Trajectory
+from reflow.weightsync import SyncGroup, make_group
+from reflow.wire import trajectory_from_bytes, trajectory_to_bytes
+
+# Flattened all-reduce buckets (bytes): large enough to amortise a collective's
+# latency, small enough not to double a big model's gradient memory.
+ALLREDUCE_BUCKET_BYTES = 32 * 1024 * 1024
+# A command header larger than this is a protocol error, not a batch.
+MAX_HEADER_BYTES = 1 << 20
+
+
+def shard_indices(lengths: list[int], rank: int, world_size: int) -> list[int]:
+    """The batch positions rank `rank` computes: longest first, dealt in turn, so
+    every rank gets about the same number of tokens. Every rank computes the
+    same plan from the same batch, without talking."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a group of {world_size}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return sorted(order[rank::world_size])
+
+
+def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's per-parameter state where the optimizer has not yet made it,
+    with the values its first step would start from (step 0, zero moments), so
+    that every replica has the same tensors to broadcast into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters then optimizer state, in an order every replica agrees on."""
+    materialise_optimizer_state(optimizer)
+    out = [p.data for p in model.parameters()]
+    for p in model.parameters():
+        state = optimizer.state[p]
+        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return out
+
+
+@dataclass
+class TrainerGroup:
+    """One membership of the trainer group: this process's rank in it."""
+
+    sync: SyncGroup
+    rank: int
+    world_size: int
+    epoch: int
+    device: torch.device
+
+    @classmethod
+    def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
+              epoch: int, device: torch.device, timeout_s: float) -> TrainerGroup:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        sync = make_group(master_address, master_port, rank, world_size, backend, timeout_s)
+        return cls(sync, rank, world_size, epoch, device)
+
+    # --- collectives ------------------------------------------------------------------
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.sync.group.broadcast([tensor], opts).wait()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.sync.group.allreduce([tensor], opts).wait()
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._broadcast(size)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        if buf.numel():
+            self._broadcast(buf)
+        return buf.numpy().tobytes()
+
+    # --- commands ---------------------------------------------------------------------
+
+    def send_command(self, op: str, step: int = 0,
+                     trajectories: list[Trajectory] | None = None) -> None:
+        """Leader: tell every replica what to do next (`train` a batch, `regroup`
+        for a new membership, `stop` at the end of the job)."""
+        blobs = [trajectory_to_bytes(t) for t in trajectories or []]
+        header = json.dumps({"op": op, "step": step, "sizes": [len(b) for b in blobs]})
+        self._broadcast_bytes(header.encode())
+        if blobs:
+            self._broadcast_bytes(b"".join(blobs))
+
+    def receive_command(self) -> tuple[str, int, list[Trajectory]]:
+        """Replica: the leader's next command."""
+        raw = self._broadcast_bytes(None)
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ValueError(f"trainer group: a {len(raw)}-byte command header")
+        header = json.loads(raw)
+        sizes = [int(n) for n in header.get("sizes", [])]
+        trajectories: list[Trajectory] = []
+        if sizes:
+            payload, offset = self._broadcast_bytes(None), 0
+            for n in sizes:
+                trajectories.append(trajectory_from_bytes(payload[offset:offset + n]))
+                offset += n
+        return str(header["op"]), int(header.get("step", 0)), trajectories
+
+    def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Rank 0's parameters and optimizer state to every rank; returns bytes."""
+        sent = 0
+        with torch.no_grad():
+            for tensor in _state_tensors(model, optimizer):
+                if tensor.device != self.device:
+                    tensor.data = tensor.data.to(self.device)
+                self._broadcast(tensor)
+                sent += tensor.numel() * tensor.element_size()
+        return sent
+
+    def sum_gradients(self, model: torch.nn.Module, extra: torch.Tensor) -> torch.Tensor:
+        """Sum every parameter's gradient and `extra` (per-rank statistics) across
+        the group, in flat buckets; returns the summed `extra`."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a parameter this shard did not reach
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for p in params:
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= ALLREDUCE_BUCKET_BYTES:
+                self._reduce_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._reduce_bucket(bucket)
+        extra = extra.to(self.device)
+        self._all_reduce(extra)
+        return extra
+
+    def _reduce_bucket(self, grads: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self._all_reduce(flat)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+

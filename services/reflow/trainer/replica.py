@@ -1,0 +1,115 @@
+"""A trainer replica of an elastic job: the trainer half of an AsyncHybrid
+worker (paper §5) while another worker holds trainer rank 0.
+
+It loads the model and optimizer when the job starts, so it is warm before it
+is ever needed, then stands by. When the leader brings it into the trainer
+group (`join`), it receives the leader's parameters and optimizer state and
+follows the leader's commands: compute its share of each batch (trainer/step.py),
+drop out on `regroup`, end on `stop`. Between memberships its state stays in
+this process's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from reflow.core.config import JobSpec
+from reflow.core.errors import FailedPrecondition
+from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.loop import TrainLoop
+from reflow.trainer.step import compute_step
+
+logger = logging.getLogger(__name__)
+
+MAX_GROUP_SIZE = 4096
+
+
+class TrainerReplica:
+    def __init__(self, job_id: str, spec: JobSpec, leader_host: str,
+                 device: torch.device | None = None) -> None:
+        self.job_id = job_id
+        self.leader_host = leader_host
+        # The loop's model, optimizer and tokenizer; it never runs or sees the buffer.
+        self.loop = TrainLoop(job_id, spec, None, rollouts=[], device=device)
+        self.state = "starting"
+        self.error = ""
+        self.step = 0
+        self.epoch = 0
+        self.steps_trained = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._loaded = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def load(self) -> None:
+        try:
+            self.loop.load()
+            with self._lock:
+                if self.state == "starting":
+                    self.state = "standby"
+        except Exception as err:  # noqa: BLE001 - reported through GetStatus
+            logger.exception("job %s: replica failed to load", self.job_id)
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+        finally:
+            self._loaded.set()
+
+    def join(self, master_port: int, rank: int, world_size: int, epoch: int) -> None:
+        """Join the leader's group of this epoch (returns at once; the group is built
+        on a thread, as the leader builds its side)."""
+        if not 1 <= master_port <= 65535:
+            raise ValueError(f"master_port: {master_port} is not a port")
+        if not 1 <= rank < world_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"rank/world_size: {rank}/{world_size}; need 1 <= rank < "
+                             f"world_size <= {MAX_GROUP_SIZE} (the leader is rank 0)")
+        with self._lock:
+            if epoch <= self.epoch:
+                raise FailedPrecondition(f"membership_epoch: {epoch} is not after this "
+                                         f"replica's epoch {self.epoch}")
+            # A join may arrive while the replica still loads: it waits for the load.
+            if self.state not in ("starting", "standby"):
+                raise FailedPrecondition(f"this replica is {self.state}, not standing by")
+            self.state, self.epoch = "joining", epoch
+            self._thread = threading.Thread(target=self._follow,
+                                            args=(master_port, rank, world_size, epoch),
+                                            name="trainer-replica", daemon=True)
+            self._thread.start()
+
+    def _follow(self, master_port: int, rank: int, world_size: int, epoch: int) -> None:
+        loop = self.loop
+        try:
+            if not self._loaded.wait(loop.group_timeout_s) or self.error:
+                raise RuntimeError(f"the replica did not load: {self.error or 'timed out'}")
+            group = TrainerGroup.build(self.leader_host, master_port, rank, world_size, epoch,
+                                       loop.device, loop.group_timeout_s)
+            started = time.monotonic()
+            group.broadcast_state(loop.model, loop.optimizer)
+            logger.info("job %s: replica rank %d/%d of epoch %d, state received in %.2fs",
+                        self.job_id, rank, world_size, epoch, time.monotonic() - started)
+            self.state = "training"
+            while not self._stop.is_set():
+                op, step, trajectories = group.receive_command()
+                if op == "train":
+                    compute_step(loop.model, loop.optimizer, loop.spec, trajectories,
+                                 loop.pad_id, loop.device, group)
+                    self.step = step
+                    self.steps_trained += 1
+                elif op == "regroup":
+                    self.state = "standby"
+                    return
+                elif op == "stop":
+                    self.state = "succeeded"
+                    return
+                else:
+                    raise ValueError(f"trainer group: unknown command {op!r}")
+        except Exception as err:  # noqa: BLE001 - reported through GetStatus
+            logger.exception("job %s: replica failed", self.job_id)
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.state in ("starting", "standby"):
+            self.state = "stopped"

@@ -1,0 +1,202 @@
+"""The elastic pool's role flips (scheduler/elastic.py) over real RolloutWorkers,
+the real Dispatcher and real HybridWorkers, with a scripted trainer leader:
+a worker leaving rollout is taken out of routing, its samples in flight finish
+into the buffer (none lost), and the leader's group gains it at a sync
+boundary; a worker coming back is routed to again. Requests that would break
+the pool are refused with the field named."""
+
+import threading
+import time
+
+import pytest
+
+from reflow.core.config import parse_job_spec
+from reflow.core.errors import FailedPrecondition
+from reflow.rollout.tasks import build_task
+from reflow.rollout.worker import RolloutWorker
+from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.elastic import ElasticPool
+from reflow.trainer.client import TrainerStatus
+from reflow.worker.service import HybridWorker
+
+from tests.unit.test_dispatch import Budget, OneWorker, StaggeredEngine
+
+
+class EngineSide:
+    """What HybridWorker needs of a RolloutService, on one RolloutWorker."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    def set_standby(self, job_id, standby, drain_timeout_s=0.0):
+        return self.worker.set_standby(standby, drain_timeout_s)
+
+    def stats(self, job_id):
+        state = "standby" if self.worker.standby else self.worker.state
+        return self.worker.counters, 0.0, state, ""
+
+
+class Leader:
+    """Trainer rank 0: a membership request takes effect two status polls later
+    (the next sync boundary)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.peers, self.pending, self.polls = 0, [], None, 0
+        self.history: list[list[str]] = []
+
+    def reconfigure(self, job_id, peers):
+        self.pending, self.polls = list(peers), 0
+        return self.epoch + 1
+
+    def status(self, job_id, since_step=-1):
+        self.polls += 1
+        if self.pending is not None and self.polls >= 2:
+            self.peers, self.pending = self.pending, None
+            self.epoch += 1
+            self.history.append(self.peers)
+        return TrainerStatus(job_id, "running", 0, 0, group_size=1 + len(self.peers),
+                             membership_epoch=self.epoch, last_regroup_s=0.01)
+
+
+class RoleClient:
+    def __init__(self, worker: HybridWorker) -> None:
+        self.worker = worker
+
+    def set_role(self, job_id, role, drain_timeout_s=60.0):
+        return self.worker.set_role(job_id, role, drain_timeout_s)
+
+
+def _spec(**cluster):
+    return parse_job_spec({"model": {"path": "/m"}, "trainer": {"batch_size": 8,
+                                                                "num_steps": 100},
+                           "rollout": {"group_size": 2, "max_inflight_samples": 4},
+                           "replay": {"max_staleness": 1}, "cluster": cluster})
+
+
+@pytest.fixture
+def pool_job():
+    spec = _spec(workers=3, trainer_workers=1,
+                 flips=[{"at_step": 5, "worker": 2, "role": "trainer"}])
+    budget, engines, clients, hybrids, sources = Budget(), {}, {}, {}, {}
+    for i in (1, 2):
+        engines[f"w{i}"] = StaggeredEngine(0.02)
+        worker = RolloutWorker("j", spec, lambda e=engines[f"w{i}"]: e,
+                               build_task("repeat", 8, 3, seed=i), budget,
+                               encode=lambda text: [1, 2], decode=lambda ids: "a")
+        worker.start()
+        clients[f"w{i}"] = OneWorker(worker)
+        hybrids[i] = HybridWorker(EngineSide(worker), trainer=None)
+        sources[f"w{i}"] = worker
+    dispatcher = Dispatcher("j", spec, budget, clients, build_task("repeat", 8, 3, seed=1))
+    leader, events = Leader(), []
+    pool = ElasticPool("j", spec, ["w0", "w1", "w2"], leader, dispatcher,
+                       worker_client_factory=lambda a: RoleClient(hybrids[int(a[1])]),
+                       record=events.append)
+    dispatcher.start()
+    pool.start_roles()
+    yield pool, dispatcher, clients, sources, budget, leader, events, hybrids
+    pool.stop()
+    dispatcher.stop()
+    for w in sources.values():
+        w.stop()
+
+
+def _wait(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+
+def test_flips_move_a_worker_both_ways_without_losing_samples(pool_job):
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
+    _wait(lambda: len(clients["w2"].prompts) >= 3)  # w2 generates
+    pool.schedule(step=4)
+    assert pool._queue.qsize() == 0  # not yet its step
+    pool.schedule(step=5)  # cluster.flips[0]: worker 2 -> trainer
+    _wait(lambda: pool.flips_done == 1)
+    flip = [e for e in events if e["event"] == "role_flip"][-1]
+    assert (flip["worker"], flip["from"], flip["to"]) == (2, "rollout", "trainer")
+    assert flip["drain_s"] >= 0 and flip["flip_s"] <= flip["total_s"]
+    assert flip["samples_in_flight"] == 0  # drained, not cut
+    assert leader.peers == ["w2"] and pool.by_role() == {"trainer": ["worker-0", "worker-2"],
+                                                         "rollout": ["worker-1"]}
+    assert hybrids[2].role("j").role == "trainer"
+    # Every sample dispatched to w2 reached the buffer: submitted groups x group size.
+    submitted = len(clients["w2"].prompts)
+    assert sources["w2"].counters.inflight_samples == 0
+    assert dispatcher.inflight("w2") == 0
+    time.sleep(0.3)
+    assert len(clients["w2"].prompts) == submitted  # never routed to while a trainer
+    with pytest.raises(Exception, match="trainer role"):
+        sources["w2"].submit_group("g-late", next(build_task("repeat", 8, 3, seed=9).prompts()))
+    before_w1 = len(clients["w1"].prompts)
+    _wait(lambda: len(clients["w1"].prompts) > before_w1 + 3)  # w1 carries the job alone
+
+    pool.request(2, "rollout")
+    _wait(lambda: pool.flips_done == 2)
+    back = [e for e in events if e["event"] == "role_flip"][-1]
+    assert (back["from"], back["to"]) == ("trainer", "rollout") and "admit_s" in back
+    assert leader.history == [["w2"], []]
+    _wait(lambda: len(clients["w2"].prompts) > submitted)  # routed to again
+    # Each prompt went out once, across both workers and both flips.
+    sent = clients["w1"].prompts + clients["w2"].prompts
+    assert len(sent) == len(set(sent))
+
+
+def test_requests_that_would_break_the_pool_are_refused(pool_job):
+    pool = pool_job[0]
+    with pytest.raises(ValueError, match="worker: 0"):
+        pool.request(0, "rollout")
+    with pytest.raises(ValueError, match="worker: 3"):
+        pool.request(3, "trainer")
+    with pytest.raises(ValueError, match="role"):
+        pool.request(1, "judge")
+    with pytest.raises(FailedPrecondition, match="already a rollout"):
+        pool.request(1, "rollout")
+    pool.request(1, "trainer")
+    with pytest.raises(FailedPrecondition, match="without a rollout worker"):
+        pool.request(2, "trainer")
+
+
+def test_cluster_spec_is_validated():
+    with pytest.raises(ValueError, match="trainer_workers"):
+        _spec(workers=2, trainer_workers=2)
+    with pytest.raises(ValueError, match=r"flips\[0\].worker"):
+        _spec(workers=2, flips=[{"at_step": 1, "worker": 2, "role": "trainer"}])
+    with pytest.raises(ValueError, match="already a rollout"):
+        _spec(workers=3, flips=[{"at_step": 1, "worker": 1, "role": "rollout"}])
+    with pytest.raises(ValueError, match="without a rollout worker"):
+        _spec(workers=2, flips=[{"at_step": 1, "worker": 1, "role": "trainer"}])
+    with pytest.raises(ValueError, match="step order"):
+        _spec(workers=3, trainer_workers=2, flips=[{"at_step": 5, "worker": 1, "role": "rollout"},
+                                                   {"at_step": 4, "worker": 1,
+                                                    "role": "trainer"}])
+    with pytest.raises(ValueError, match="need cluster.workers"):
+        _spec(flips=[{"at_step": 1, "worker": 1, "role": "trainer"}])
+    with pytest.raises(ValueError, match="trainer.num_steps"):
+        _spec(workers=3, flips=[{"at_step": 100, "worker": 1, "role": "trainer"}])
+    assert _spec(workers=3, trainer_workers=2).cluster.initial_role(1) == "trainer"
+
+
+def test_a_worker_that_cannot_drain_stays_a_rollout_worker():
+    class Stuck:
+        def __init__(self):
+            self.standby = []
+
+        def set_standby(self, job_id, standby, drain_timeout_s=0.0):
+            self.standby.append(standby)
+            return 4 if standby else 0
+
+        def stats(self, job_id):
+            return type("C", (), {"inflight_samples": 4})(), 0.0, "running", ""
+
+    engine = Stuck()
+    worker = HybridWorker(engine, trainer=None)
+    worker.set_role("j", "rollout")
+    with pytest.raises(TimeoutError, match="4 samples still generating"):
+        worker.set_role("j", "trainer", drain_timeout_s=0.1)
+    assert engine.standby == [False, True, False] and worker.role("j").role == "rollout"
+    with pytest.raises(ValueError, match="role"):
+        worker.set_role("j", "critic")

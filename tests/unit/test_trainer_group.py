@@ -1,0 +1,150 @@
+"""The data-parallel trainer group (trainer/dp.py): replicas that split each
+batch over a real gloo group take the single trainer's step, keep identical
+weights after every step, and a replica that joins later receives the leader's
+parameters and optimizer state."""
+
+import threading
+
+import pytest
+import torch
+
+from reflow.core.config import parse_job_spec
+from reflow.core.types import Batch
+from reflow.trainer.dp import shard_indices
+from reflow.trainer.loop import TrainLoop
+from reflow.trainer.replica import TrainerReplica
+
+from tests.unit.test_micro_batches import _Replay, _trajectories
+
+
+def test_shards_cover_the_batch_once_and_balance_tokens():
+    lengths = [30, 2, 17, 9, 5, 3, 1, 30]
+    shards = [shard_indices(lengths, r, 3) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= max(lengths)
+    with pytest.raises(ValueError, match="rank 3"):
+        shard_indices(lengths, 3, 3)
+
+
+class _ReplicaClient:
+    """The leader's view of a replica: join_group on the replica in this process."""
+
+    replicas: dict[str, TrainerReplica] = {}
+
+    def __init__(self, address: str) -> None:
+        self.replica = self.replicas[address]
+
+    def join_group(self, job_id, port, rank, world, epoch):
+        self.replica.join(port, rank, world, epoch)
+
+
+def _spec(tiny_model):
+    return parse_job_spec({"model": {"path": tiny_model}, "trainer": {"max_grad_norm": 1e6},
+                           "replay": {"replay_weight": 0.5}})
+
+
+def _leader(spec):
+    loop = TrainLoop("job", spec, _Replay(), rollouts=[], device=torch.device("cpu"),
+                     trainer_client_factory=_ReplicaClient)
+    loop.load()
+    return loop
+
+
+def _replica(spec, address):
+    replica = TrainerReplica("job", spec, "127.0.0.1", device=torch.device("cpu"))
+    replica.load()
+    assert replica.state == "standby"
+    _ReplicaClient.replicas[address] = replica
+    return replica
+
+
+def _wait(predicate, timeout_s=60.0):
+    done = threading.Event()
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        done.wait(0.05)
+    raise AssertionError("condition not reached")
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step(loop, trajectories):
+    loop.step += 1
+    return loop._train_step(Batch(lease_id="l", trajectories=trajectories))
+
+
+def test_group_step_equals_the_single_trainer_step_and_replicas_stay_identical(tiny_model):
+    spec = _spec(tiny_model)
+    batches = [_trajectories(16, vocab=20) for _ in range(3)]
+    alone = _leader(spec)
+    alone_results = [_step(alone, b) for b in batches]
+
+    leader = _leader(spec)
+    replica = _replica(spec, "replica-a:1")
+    # Desynchronise the replica first: joining must overwrite its state.
+    with torch.no_grad():
+        next(replica.loop.model.parameters()).add_(1.0)
+    leader.reconfigure(["replica-a:1"])
+    leader.apply_membership()
+    assert leader.group is not None and leader.group_size == 2 and leader.membership_epoch == 1
+    _wait(lambda: replica.state == "training")
+    for batch, expected in zip(batches, alone_results):
+        (stats, grad_norm), sample_stats = _step(leader, batch)
+        (want_stats, want_norm), want_samples = expected
+        assert grad_norm == pytest.approx(want_norm, rel=1e-4)
+        assert stats.loss == pytest.approx(want_stats.loss, rel=1e-4, abs=1e-6)
+        for sample_id, s in want_samples.items():
+            assert sample_stats[sample_id] == pytest.approx(s, rel=1e-4, abs=1e-6)
+        _wait(lambda: replica.steps_trained == leader.step)
+        mine, theirs = _params(leader.model), _params(replica.loop.model)
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+    # Against the lone trainer: the same up to summation order (Adam rescales the
+    # last bits of near-zero gradients, hence the absolute tolerance).
+    for name, p in _params(alone.model).items():
+        torch.testing.assert_close(_params(leader.model)[name], p, rtol=1e-3, atol=1e-4)
+
+    # The replica leaves (regroup), and the leader trains alone again.
+    leader.reconfigure([])
+    leader.apply_membership()
+    _wait(lambda: replica.state == "standby")
+    assert leader.group is None and leader.group_size == 1 and leader.membership_epoch == 2
+    _step(leader, batches[0])
+    assert replica.steps_trained == 3
+
+
+def test_a_late_joiner_receives_parameters_and_optimizer_state(tiny_model):
+    spec = _spec(tiny_model)
+    leader = _leader(spec)
+    for _ in range(2):
+        _step(leader, _trajectories(8, vocab=20))
+    late = _replica(spec, "replica-b:1")
+    assert not late.loop.optimizer.state  # never stepped
+    leader.reconfigure(["replica-b:1"])
+    leader.apply_membership()
+    _wait(lambda: late.state == "training")
+    for p, q in zip(leader.model.parameters(), late.loop.model.parameters()):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(leader.optimizer.state[p][key], late.loop.optimizer.state[q][key])
+    _step(leader, _trajectories(8, vocab=20))
+    _wait(lambda: late.steps_trained == 1)
+    for p, q in zip(leader.model.parameters(), late.loop.model.parameters()):
+        assert torch.equal(p, q)
+    leader.group.send_command("stop", leader.step)
+    _wait(lambda: late.state == "succeeded")
+
+
+def test_join_is_validated(tiny_model):
+    replica = TrainerReplica("job", _spec(tiny_model), "127.0.0.1", device=torch.device("cpu"))
+    replica.load()
+    with pytest.raises(ValueError, match="master_port"):
+        replica.join(0, 1, 2, 1)
+    with pytest.raises(ValueError, match="rank/world_size"):
+        replica.join(1234, 0, 2, 1)
+    with pytest.raises(Exception, match="membership_epoch"):
+        replica.join(1234, 1, 2, 0)

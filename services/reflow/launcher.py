@@ -24,6 +24,10 @@ from reflow.core.paths import MODELS_ROOT_ENV, RUNS_ROOT_ENV
 from reflow.scheduler.jobs import TERMINAL
 
 
+# Consecutive failed status polls (about a second apart) before `reflow run` gives up.
+MAX_STATUS_FAILURES = 60
+
+
 class _Progress:
     """One status line: redrawn in place on a terminal, printed every 10 s otherwise."""
 
@@ -118,8 +122,20 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         # with it a TLS context (CA bundle parsed), ~0.3 s of CPU a poll, which the
         # profile showed taking a third of a core from the job it watches.
         with httpx.Client(headers=headers, timeout=10) as client:
+            failures = 0
             while True:
-                job = client.get(f"{api}/v1/jobs/{job_id}").json()
+                reply = client.get(f"{api}/v1/jobs/{job_id}")
+                if reply.status_code != 200:
+                    # A busy machine can make the scheduler miss a deadline (503):
+                    # the job runs on; only a lasting failure ends the watch.
+                    failures += 1
+                    if failures >= MAX_STATUS_FAILURES:
+                        raise RuntimeError(f"GET /v1/jobs/{job_id}: {reply.status_code} "
+                                           f"{reply.text[:300]}")
+                    time.sleep(1.0)
+                    continue
+                failures = 0
+                job = reply.json()
                 progress.show(job)
                 if job["phase"] in TERMINAL:
                     break

@@ -11,6 +11,7 @@ against the API conventions (preconditions, watches, leases), not a cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -270,3 +271,45 @@ def test_two_schedulers_one_acts_and_the_standby_takes_over_a_killed_leader(clus
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def test_an_elastic_job_flips_pod_roles_both_ways_while_it_runs(cluster, scheduler):
+    """Scheduled flips and one requested mid-run (through an injected 409) move
+    pods between roles while the job trains: each worker flips, then its pod's
+    reflow.io/role label follows, and no pod version is ever without a role."""
+    from tests.integration.test_kube_role_flip import (_assert_always_a_role, _history,
+                                                       _versions_since)
+
+    api = cluster["api"]
+    start = api.resource_version
+    spec = parse_job_spec({
+        "name": "elastic", "model": {"path": cluster["model"]},
+        "rollout": {"group_size": 4, "max_tokens": 12, "kv_cache_gb": 0.5},
+        "trainer": {"batch_size": 8, "num_steps": 14, "batch_timeout_s": 120},
+        "scheduler": {"placement": False},
+        "cluster": {"workers": 3, "trainer_workers": 1,
+                    "flips": [{"at_step": 2, "worker": 2, "role": "trainer"},
+                              {"at_step": 5, "worker": 2, "role": "rollout"}]},
+    }).model_dump_json()
+    scheduler.submit(spec, job_id="elastic")
+    job = _wait(lambda: (r := scheduler.get("elastic")).step >= 7 and r, 400, "two flips")
+    assert job.workers == {"trainer": ["rl-worker-0"],
+                           "rollout": ["rl-worker-1", "rl-worker-2"]}, job.workers
+    # Mid-run, as POST /v1/jobs/{id}/flips does, with the label patch refused once.
+    api.fail("PATCH", path=r"/pods/rl-worker-1", status=409, count=1)
+    scheduler.request_flip("elastic", 1, "trainer")
+    job = _wait(lambda: (r := scheduler.get("elastic")).terminal and r, 400, "the job's end")
+    assert job.phase == "SUCCEEDED", job.reason
+    events = [json.loads(line) for line in
+              (Path(job.run_dir) / "scheduler_events.jsonl").read_text().splitlines()]
+    flips = [(e["name"], e["to"]) for e in events if e["event"] == "role_flip"]
+    assert flips == [("rl-worker-2", "trainer"), ("rl-worker-2", "rollout"),
+                     ("rl-worker-1", "trainer")], flips
+    assert not [e for e in events if e["event"] in ("role_label_failed", "role_flip_failed")]
+    versions = _versions_since(api, start)
+    _assert_always_a_role(versions)
+    roles_2 = [role for role, _ in _history(versions, "rl-worker-2")]
+    assert roles_2[:1] == ["rollout"] and "trainer" in roles_2
+    assert roles_2[roles_2.index("trainer"):].count("rollout") >= 1  # and back
+    assert "trainer" in [role for role, _ in _history(versions, "rl-worker-1")]
+    _wait(lambda: _all_idle(api), 90, "the pods released")

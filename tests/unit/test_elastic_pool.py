@@ -28,8 +28,8 @@ class EngineSide:
     def __init__(self, worker: RolloutWorker) -> None:
         self.worker = worker
 
-    def set_standby(self, job_id, standby, drain_timeout_s=0.0):
-        return self.worker.set_standby(standby, drain_timeout_s)
+    def set_standby(self, job_id, standby, drain_timeout_s=0.0, hand_back=False):
+        return self.worker.set_standby(standby, drain_timeout_s, hand_back)
 
     def stats(self, job_id):
         state = "standby" if self.worker.standby else self.worker.state
@@ -62,20 +62,21 @@ class RoleClient:
     def __init__(self, worker: HybridWorker) -> None:
         self.worker = worker
 
-    def set_role(self, job_id, role, drain_timeout_s=60.0):
-        return self.worker.set_role(job_id, role, drain_timeout_s)
+    def set_role(self, job_id, role, drain_timeout_s=60.0, hand_back=False):
+        return self.worker.set_role(job_id, role, drain_timeout_s, hand_back)
 
 
 def _spec(**cluster):
     return parse_job_spec({"model": {"path": "/m"}, "trainer": {"batch_size": 8,
                                                                 "num_steps": 100},
                            "rollout": {"group_size": 2, "max_inflight_samples": 4},
-                           "replay": {"max_staleness": 1}, "cluster": cluster})
+                           "replay": {"max_staleness": 1}, "scheduler": {"placement": False},
+                           "cluster": cluster})
 
 
-@pytest.fixture
-def pool_job():
-    spec = _spec(workers=3, trainer_workers=1,
+@pytest.fixture(params=["return", "finish"])
+def pool_job(request):
+    spec = _spec(workers=3, trainer_workers=1, flip_inflight=request.param,
                  flips=[{"at_step": 5, "worker": 2, "role": "trainer"}])
     budget, engines, clients, hybrids, sources = Budget(), {}, {}, {}, {}
     for i in (1, 2):
@@ -119,7 +120,12 @@ def test_flips_move_a_worker_both_ways_without_losing_samples(pool_job):
     flip = [e for e in events if e["event"] == "role_flip"][-1]
     assert (flip["worker"], flip["from"], flip["to"]) == (2, "rollout", "trainer")
     assert flip["drain_s"] >= 0 and flip["flip_s"] <= flip["total_s"]
-    assert flip["samples_in_flight"] == 0  # drained, not cut
+    # Handed back whole or finished into the buffer: none left out either way.
+    assert flip["samples_in_flight"] == 0
+    if pool.spec.cluster.flip_inflight == "return":
+        assert flip["returned_groups"] >= 1  # w2 was generating: its groups came back
+    else:
+        assert flip["returned_groups"] == 0 and flip["drain_s"] > 0
     assert leader.peers == ["w2"] and pool.by_role() == {"trainer": ["worker-0", "worker-2"],
                                                          "rollout": ["worker-1"]}
     assert hybrids[2].role("j").role == "trainer"
@@ -140,9 +146,12 @@ def test_flips_move_a_worker_both_ways_without_losing_samples(pool_job):
     assert (back["from"], back["to"]) == ("trainer", "rollout") and "admit_s" in back
     assert leader.history == [["w2"], []]
     _wait(lambda: len(clients["w2"].prompts) > submitted)  # routed to again
-    # Each prompt went out once, across both workers and both flips.
+    # Each prompt went out once across both workers and both flips, but for the
+    # groups w2 handed back when it left: each of those went out once more, to w1.
     sent = clients["w1"].prompts + clients["w2"].prompts
-    assert len(sent) == len(set(sent))
+    again = {p for p in sent if sent.count(p) > 1}
+    assert len(sent) - len(set(sent)) == len(again) == flip["returned_groups"]
+    assert again <= set(clients["w2"].prompts) & set(clients["w1"].prompts)
 
 
 def test_requests_that_would_break_the_pool_are_refused(pool_job):
@@ -175,6 +184,11 @@ def test_cluster_spec_is_validated():
                                                     "role": "trainer"}])
     with pytest.raises(ValueError, match="need cluster.workers"):
         _spec(flips=[{"at_step": 1, "worker": 1, "role": "trainer"}])
+    with pytest.raises(ValueError, match="scheduler.placement: false"):
+        parse_job_spec({"model": {"path": "/m"}, "trainer": {"batch_size": 8},
+                        "rollout": {"group_size": 2},
+                        "cluster": {"workers": 3, "flips": [{"at_step": 1, "worker": 1,
+                                                             "role": "trainer"}]}})
     with pytest.raises(ValueError, match="trainer.num_steps"):
         _spec(workers=3, flips=[{"at_step": 100, "worker": 1, "role": "trainer"}])
     assert _spec(workers=3, trainer_workers=2).cluster.initial_role(1) == "trainer"
@@ -185,7 +199,7 @@ def test_a_worker_that_cannot_drain_stays_a_rollout_worker():
         def __init__(self):
             self.standby = []
 
-        def set_standby(self, job_id, standby, drain_timeout_s=0.0):
+        def set_standby(self, job_id, standby, drain_timeout_s=0.0, hand_back=False):
             self.standby.append(standby)
             return 4 if standby else 0
 
@@ -200,3 +214,26 @@ def test_a_worker_that_cannot_drain_stays_a_rollout_worker():
     assert engine.standby == [False, True, False] and worker.role("j").role == "rollout"
     with pytest.raises(ValueError, match="role"):
         worker.set_role("j", "critic")
+
+
+def test_a_rebalance_moves_the_highest_numbered_workers_and_waits_for_flips(pool_job):
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
+    assert pool.rebalance(1, "more_trainer") == 1  # 2 rollout -> 1: worker 2 moves
+    assert pool.rebalance(2, "more_rollout") == 0  # one flip at a time
+    _wait(lambda: pool.flips_done == 1)
+    assert pool.by_role()["trainer"] == ["worker-0", "worker-2"]
+    assert pool.rebalance(2, "more_rollout") == 1
+    _wait(lambda: pool.flips_done == 2)
+    assert pool.by_role()["rollout"] == ["worker-1", "worker-2"]
+    assert pool.rebalance(2, "more_rollout") == 0  # already there
+    assert dispatcher.role_flips == {"rollout->trainer": 1, "trainer->rollout": 1}
+    reasons = [e["reason"] for e in events if e["event"] == "role_flip"]
+    assert reasons == ["placement: more_trainer", "placement: more_rollout"]
+
+
+def test_an_elastic_spec_survives_its_own_round_trip():
+    # The scheduler stores specs as JSON with every default written out.
+    for cluster in ({}, {"workers": 3, "trainer_workers": 2}):
+        spec = _spec(**cluster)
+        again = type(spec).model_validate_json(spec.model_dump_json())
+        assert again == spec

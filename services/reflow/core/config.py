@@ -45,7 +45,7 @@ class ModelConfig(_Section):
         "must lie under the operator's models root (REFLOW_MODELS_DIR). A relative path is "
         "taken relative to that root.",
     )
-    build_if_missing: Literal["tiny-qwen3"] | None = Field(
+    build_if_missing: Literal["tiny-qwen3", "small-qwen3"] | None = Field(
         default=None,
         description="Build a small random model of this preset at `path` when the directory "
         "does not exist yet (offline, seeded). None: the directory must exist.",
@@ -346,11 +346,18 @@ class ClusterConfig(_Section):
     flips: list[RoleFlip] = Field(
         default_factory=list, max_length=10_000,
         description="Role flips requested at given steps, in order.")
+    flip_inflight: Literal["return", "finish"] = Field(
+        default="return",
+        description="A worker leaving rollout: `return` aborts its groups in flight and the "
+        "dispatcher routes them again, with their budget, to the other rollout workers (the "
+        "flip does not wait; their partial tokens are discarded); `finish` lets them end "
+        "into the buffer first (no tokens lost; the flip waits up to one generation).")
 
     @model_validator(mode="after")
     def _check_pool(self) -> ClusterConfig:
         if self.workers is None:
-            if self.flips or "trainer_workers" in self.model_fields_set:
+            # Values, not fields set: a dumped spec carries every default.
+            if self.flips or self.trainer_workers != 1:
                 raise ValueError("cluster.flips and cluster.trainer_workers need "
                                  "cluster.workers (an elastic pool of at least 2 workers)")
             return self
@@ -500,6 +507,9 @@ class JobSpec(_Section):
                 f"rollout.max_inflight_samples ({self.concurrency_cap}) must be at "
                 f"least rollout.group_size ({self.rollout.group_size})"
             )
+        if self.cluster.flips and self.scheduler.enabled("placement"):
+            raise ValueError("cluster.flips: scheduled flips and the placement policy would move "
+                             "the same workers; set scheduler.placement: false with cluster.flips")
         flips_after_end = [f.at_step for f in self.cluster.flips
                            if f.at_step >= self.trainer.num_steps]
         if flips_after_end:

@@ -37,6 +37,11 @@ TINY_QWEN3 = dict(
     tie_word_embeddings=True,
     rope_theta=10000.0,
 )
+# ~55M parameters with the same tokenizer: big enough that loading, the optimizer
+# and weight transfers cost real time on a CPU, small enough to train there.
+SMALL_QWEN3 = dict(TINY_QWEN3, hidden_size=768, intermediate_size=2304, num_hidden_layers=8,
+                   num_attention_heads=12, num_key_value_heads=4, head_dim=64)
+PRESETS = {"tiny-qwen3": TINY_QWEN3, "small-qwen3": SMALL_QWEN3}
 
 
 def _train_tokenizer(out_dir: Path) -> None:
@@ -55,8 +60,10 @@ def _train_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write a tokenizer and a randomly initialised tiny Qwen3 to `path`.
+def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0,
+                     preset: str = "tiny-qwen3") -> Path:
+    """Write a tokenizer and a randomly initialised Qwen3 of a preset's size
+    (PRESETS; tiny by default) to `path`.
 
     The directory appears atomically (built in a sibling temp dir, then
     renamed), so a crashed build never leaves a half-written model behind.
@@ -77,7 +84,7 @@ def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        **TINY_QWEN3,
+        **PRESETS[preset],
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -108,6 +115,6 @@ def ensure_model(path: str, build_if_missing: str | None, seed: int = 0) -> Path
             f"model.path {path!r} holds no config.json; point it at a Hugging Face format model "
             "directory or set model.build_if_missing"
         )
-    if build_if_missing != "tiny-qwen3":
+    if build_if_missing not in PRESETS:
         raise ValueError(f"model.build_if_missing: unknown preset {build_if_missing!r}")
-    return build_tiny_qwen3(target, seed=seed)
+    return build_tiny_qwen3(target, seed=seed, preset=build_if_missing)

@@ -164,11 +164,14 @@ class RolloutService:
         state = "standby" if worker.state == "running" and worker.standby else worker.state
         return worker.counters, worker.idle_seconds(), state, worker.error
 
-    def set_standby(self, job_id: str, standby: bool, drain_timeout_s: float = 0.0) -> int:
-        """The engine of a worker moving to the trainer role admits nothing (after
-        its samples in flight finish, up to `drain_timeout_s`); back in the rollout
-        role it admits again. Returns samples still generating."""
-        return self._running_worker_for(job_id).set_standby(standby, drain_timeout_s)
+    def set_standby(self, job_id: str, standby: bool, drain_timeout_s: float = 0.0,
+                    hand_back: bool = False) -> int:
+        """The engine of a worker moving to the trainer role admits nothing; its
+        groups in flight are handed back to the dispatcher (`hand_back`) or finish
+        first (up to `drain_timeout_s`). Back in the rollout role it admits again.
+        Returns samples still generating."""
+        return self._running_worker_for(job_id).set_standby(standby, drain_timeout_s,
+                                                            hand_back)
 
     def shutdown(self) -> None:
         if self.worker is not None:

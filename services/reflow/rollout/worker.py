@@ -102,6 +102,10 @@ class SampleEvent:
     error: str = ""
 
 
+# The error of a group's end event when its worker handed it back unfinished.
+GROUP_RETURNED = "returned: its worker left the rollout role"
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -150,6 +154,9 @@ class RolloutWorker:
         # An AsyncHybrid worker in the trainer role (paper §5): the engine stays warm
         # and keeps loading each published version, but admits no group.
         self.standby = False
+        self._handing_back = False
+        self._putting: set[str] = set()
+        self.returned_groups_total = 0
         self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
         # Weight-sync state machine: none -> initialising -> ready; one update at a
         # time, versions strictly in order (see update_weights).
@@ -354,12 +361,17 @@ class RolloutWorker:
         self._loop.call_soon_threadsafe(self._start_group, group_id, prompt)
         return True
 
-    def set_standby(self, standby: bool, drain_timeout_s: float = 0.0) -> int:
-        """Stop (or resume) admitting groups. Stopping waits up to `drain_timeout_s`
-        for the samples in flight to finish: they end as usual, in the buffer
-        (generation is never cut short, so nothing is lost); returns how many are
-        still generating when it returns."""
+    def set_standby(self, standby: bool, drain_timeout_s: float = 0.0,
+                    hand_back: bool = False) -> int:
+        """Stop (or resume) admitting groups. Stopping either hands the groups in
+        flight back (`hand_back`: generation is aborted and each group's end event
+        says GROUP_RETURNED, so the dispatcher routes its prompt again with the same
+        budget; the partial tokens are discarded), or waits up to `drain_timeout_s`
+        for them to finish into the buffer as usual. Returns the samples still
+        generating when it returns."""
         self.standby = standby
+        if standby and hand_back and self.state == "running":
+            self.returned_groups_total += self.call(self._hand_back(), 60.0)
         deadline = time.monotonic() + drain_timeout_s
         with self._events_cond:
             while standby and self.counters.inflight_samples > 0 and not self._stopping:
@@ -392,7 +404,7 @@ class RolloutWorker:
 
     def _start_group(self, group_id: str, prompt: Prompt) -> None:
         self._mark_busy()
-        task = asyncio.create_task(self._run_group(group_id, prompt))
+        task = asyncio.create_task(self._run_group(group_id, prompt), name=group_id)
         self._group_tasks.add(task)
         task.add_done_callback(self._group_tasks.discard)
 
@@ -431,24 +443,42 @@ class RolloutWorker:
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
             self._emit(group_id, -1, error=self.error)
             return
+        # Which samples still hold a concurrency slot: a sample task cancelled before
+        # its first step never runs its own `finally`.
+        holding = [True] * group_size
+        generating = False
         try:
             # Partial rollout: a group submitted during a weight update starts after it.
             await self._resumed.wait()
             self._generating += group_size
+            generating = True
             samples = await asyncio.gather(
-                *(self._run_sample(group_id, i, prompt_ids) for i in range(group_size))
+                *(self._run_sample(group_id, i, prompt_ids, holding) for i in range(group_size))
             )
             trajectories = self._score(group_id, prompt, prompt_ids, samples)
-            await asyncio.to_thread(self.replay.put, self.job_id, trajectories)
+            # Finished: from here the group goes to the buffer, never back (_hand_back).
+            self._putting.add(group_id)
+            try:
+                await asyncio.to_thread(self.replay.put, self.job_id, trajectories)
+            finally:
+                self._putting.discard(group_id)
             self._emit(group_id, -1)
         except asyncio.CancelledError:
+            left = sum(holding)
+            if generating:
+                self._generating -= left
+            self._free_slots(left)
+            if self._handing_back:
+                # Its worker leaves rollout: the dispatcher routes the group again.
+                self._emit(group_id, -1, error=GROUP_RETURNED)
             raise
         except Exception as err:  # noqa: BLE001
             logger.exception("job %s: group %s failed", self.job_id, group_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
             self._emit(group_id, -1, error=self.error)
 
-    async def _run_sample(self, group_id: str, index: int, prompt_ids: list[int]) -> _Sample:
+    async def _run_sample(self, group_id: str, index: int, prompt_ids: list[int],
+                          holding: list[bool]) -> _Sample:
         """One sample; its end is an event at once, so the dispatcher frees its
         concurrency slot then, not when the slowest sample of its group ends
         (sample-level streaming, paper §4.1)."""
@@ -468,6 +498,7 @@ class RolloutWorker:
             return sample
         finally:
             self._generating -= 1
+            holding[index] = False
             self._free_slots(1)
 
     def _free_slots(self, n: int) -> None:
@@ -499,6 +530,18 @@ class RolloutWorker:
             )
             for i, (s, r, a) in enumerate(zip(samples, rewards, advantages))
         ]
+
+    async def _hand_back(self) -> int:
+        tasks = [t for t in self._group_tasks
+                 if not t.done() and t.get_name() not in self._putting]
+        self._handing_back = True
+        try:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._handing_back = False
+        return len(tasks)
 
     async def _cancel_all(self) -> None:
         with self._events_cond:

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,7 +37,7 @@ from reflow.core.config import JobSpec
 from reflow.replay.client import ReplayClient
 from reflow.rollout.client import RolloutStats
 from reflow.rollout.tasks import Prompt, Task
-from reflow.rollout.worker import SampleEvent
+from reflow.rollout.worker import GROUP_RETURNED, SampleEvent
 from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
                                          route)
 
@@ -104,6 +104,10 @@ class Dispatcher:
         self._ready_checked = 0.0
         self._prompts = task.prompts()
         self._next_prompt: Prompt | None = None  # drawn, not yet dispatched
+        # Groups a worker leaving rollout handed back: routed again first, on the
+        # budget they were granted (never acquired twice, never lost).
+        self._returned: deque[Prompt] = deque()
+        self.returned_groups = 0
         self._groups: dict[str, _Group] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -114,8 +118,11 @@ class Dispatcher:
         self.dispatched_groups: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
         self.cap_changes: Counter[str] = Counter()
-        # Algorithm 1's rebalance decisions (recorded by the scheduler), by reason.
+        # Algorithm 1's rebalance decisions (recorded by the scheduler), by reason;
+        # those carried out with role flips; the flips, by direction.
         self.placement_recommendations: Counter[str] = Counter()
+        self.rebalances: Counter[str] = Counter()
+        self.role_flips: Counter[str] = Counter()
         self.error = ""
 
     # --- lifecycle ------------------------------------------------------------------
@@ -158,6 +165,8 @@ class Dispatcher:
                 "admission_rejections": dict(self.rejections),
                 "cap_changes": dict(self.cap_changes),
                 "placement_recommendations": dict(self.placement_recommendations),
+                "rebalances": dict(self.rebalances),
+                "role_flips": dict(self.role_flips),
                 "predicted_response_tokens": self.lengths.predict(""),
                 "error": self.error,
             }
@@ -278,7 +287,9 @@ class Dispatcher:
 
     def _peek_prompt(self) -> Prompt:
         if self._next_prompt is None:
-            self._next_prompt = next(self._prompts)
+            with self._cond:
+                returned = self._returned.popleft() if self._returned else None
+            self._next_prompt = returned or next(self._prompts)
         return self._next_prompt
 
     def _prompt_tokens(self, prompt: Prompt) -> int:
@@ -341,7 +352,13 @@ class Dispatcher:
                 worker.inflight -= group.remaining
                 worker.predicted_tokens -= group.tokens_per_sample * group.remaining
                 worker.predicted_tokens = max(0.0, worker.predicted_tokens)
-                if e.error:
+                if e.error == GROUP_RETURNED:
+                    # Handed back unfinished (its worker left rollout): the prompt goes
+                    # out again, on the grant it had.
+                    self._returned.append(group.prompt)
+                    self._granted += self.group_size
+                    self.returned_groups += 1
+                elif e.error:
                     self.record({"event": "group_failed", "worker": worker.name,
                                   "group_id": e.group_id, "error": e.error[:500]})
             self._cond.notify_all()

@@ -5,9 +5,11 @@ Worker 0 holds trainer rank 0 (the leader: it leases batches and publishes
 weights) and keeps it. Every other worker holds a warm engine, in the job's
 weight-sync group from the start, and a warm trainer replica. A flip:
 - rollout -> trainer: the dispatcher stops routing to the worker; the worker's
-  engine stops admitting and its samples in flight finish into the buffer
-  (nothing is cut short or lost); the leader takes the replica into its group
-  at the next sync boundary, sending it parameters and optimizer state.
+  engine stops admitting, and its groups in flight come back to the dispatcher,
+  which routes them to the other rollout workers with their budget
+  (`cluster.flip_inflight: return`), or finish into the buffer first
+  (`finish`); the leader takes the replica into its group at the next sync
+  boundary, sending it parameters and optimizer state.
 - trainer -> rollout: the leader drops the replica from its group at the next
   sync boundary; the engine, which has loaded every published version
   meanwhile, admits again; the dispatcher routes to it once it reports running.
@@ -46,12 +48,17 @@ class FlipRequest:
 class ElasticPool:
     def __init__(self, job_id: str, spec: JobSpec, worker_addresses: list[str], leader,
                  dispatcher, worker_client_factory: Callable[[str], object],
-                 record: Callable[[dict], None]) -> None:
+                 record: Callable[[dict], None], names: list[str] | None = None,
+                 relabel: Callable[[str, str], object] | None = None) -> None:
         """`leader`: the trainer client of worker 0; `dispatcher` the job's
         Dispatcher (keyed by the rollout workers' addresses); `record` writes a
-        scheduling event."""
+        scheduling event; `names` the workers' names (pods on Kubernetes);
+        `relabel(name, role)` records a carried-out flip in the cluster (the
+        pod's role label)."""
         self.job_id, self.spec = job_id, spec
         self.addresses = list(worker_addresses)
+        self.names = list(names or [f"worker-{i}" for i in range(len(self.addresses))])
+        self.relabel = relabel
         self.roles = [spec.cluster.initial_role(i) for i in range(len(self.addresses))]
         self.leader, self.dispatcher, self.record = leader, dispatcher, record
         self._workers = {i: worker_client_factory(a) for i, a in enumerate(self.addresses) if i}
@@ -84,7 +91,7 @@ class ElasticPool:
 
     def by_role(self) -> dict[str, list[str]]:
         with self._lock:
-            return {role: [f"worker-{i}" for i, r in enumerate(self.roles) if r == role]
+            return {role: [self.names[i] for i, r in enumerate(self.roles) if r == role]
                     for role in ("trainer", "rollout")}
 
     # --- requests -----------------------------------------------------------------------
@@ -110,6 +117,29 @@ class ElasticPool:
             queued = self._queue.qsize()
             self._queue.put(FlipRequest(worker, role, reason))
         return queued
+
+    @property
+    def busy(self) -> bool:
+        """A flip is queued or under way."""
+        with self._lock:
+            return self._planned != self.roles
+
+    def rebalance(self, rollout_workers: int, reason: str) -> int:
+        """Move workers toward `rollout_workers` rollout workers (the rest train), as
+        Algorithm 1 chose; the highest-numbered workers move first. Returns the
+        flips requested (0 while another flip is under way)."""
+        if self.busy:
+            return 0
+        with self._lock:
+            roles = list(self.roles)
+        delta = rollout_workers - roles.count("rollout")
+        source, target = ("trainer", "rollout") if delta > 0 else ("rollout", "trainer")
+        movable = [i for i in range(len(roles) - 1, 0, -1) if roles[i] == source]
+        requested = 0
+        for worker in movable[:abs(delta)]:
+            self.request(worker, target, reason=f"placement: {reason}")
+            requested += 1
+        return requested
 
     def schedule(self, step: int) -> None:
         """Queue the spec's flips (cluster.flips) whose step the trainer has reached."""
@@ -154,7 +184,9 @@ class ElasticPool:
             # Out of routing first, so nothing new lands while the engine drains.
             self.dispatcher.set_standby(address, True)
             t = time.monotonic()
-            client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S)
+            hand_back = self.spec.cluster.flip_inflight == "return"
+            returned_before = self.dispatcher.returned_groups
+            client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S, hand_back)
             phases["drain_s"] = time.monotonic() - t
             # The dispatcher's count of the worker's samples still out: the drain
             # ended each in the buffer, so this is 0 unless something was lost.
@@ -174,20 +206,35 @@ class ElasticPool:
             while not self.dispatcher.routable(address) and not self._stop.wait(POLL_S):
                 pass
             phases["admit_s"] = time.monotonic() - t
+        if self.relabel is not None:
+            t = time.monotonic()
+            try:
+                self.relabel(self.names[flip.worker], flip.role)
+            except Exception as err:  # noqa: BLE001 - the worker has flipped; the label lags
+                logger.warning("job %s: %s flipped to %s but its label did not follow: %s",
+                               self.job_id, self.names[flip.worker], flip.role, err)
+                self.record({"event": "role_label_failed", "worker": flip.worker,
+                             "to": flip.role, "error": str(err)[:500]})
+            phases["relabel_s"] = time.monotonic() - t
         total = time.monotonic() - started
         self.flips_done += 1
-        self.record({"event": "role_flip", "worker": flip.worker, "from": source,
+        self.dispatcher.role_flips[f"{source}->{flip.role}"] += 1
+        self.record({"event": "role_flip", "worker": flip.worker,
+                     "name": self.names[flip.worker], "from": source,
                      "to": flip.role, "reason": flip.reason,
                      **{k: round(v, 3) for k, v in phases.items()},
                      # The flip's own work, without the wait for the sync boundary.
                      "flip_s": round(total - phases["wait_boundary_s"], 3),
                      "total_s": round(total, 3), "trainer_group_size": status["group_size"],
                      "membership_epoch": status["epoch"],
-                     **({"samples_in_flight": in_flight} if flip.role == "trainer" else {})})
+                     **({"samples_in_flight": in_flight,
+                         "returned_groups": self.dispatcher.returned_groups - returned_before}
+                        if flip.role == "trainer" else {})})
 
     def _await_events(self, address: str, timeout_s: float = 10.0) -> int:
-        """Samples the dispatcher still counts out on a drained worker, once the
-        worker's last events have reached it (its event reader lags by a poll)."""
+        """Samples the dispatcher still counts out on a worker that left rollout,
+        once its last events (samples ended, groups put or handed back) have reached
+        the dispatcher (its event reader lags by a poll): 0 unless one was lost."""
         deadline = time.monotonic() + timeout_s
         while self.dispatcher.inflight(address) and time.monotonic() < deadline:
             self._stop.wait(POLL_S)

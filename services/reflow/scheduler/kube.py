@@ -18,7 +18,11 @@ Correct under concurrency and faults:
 - releasing a job stops it on every worker and waits for the workers to report
   idle before the labels go back to `idle`; a worker is checked idle again before
   it is offered to another job;
-- while a leader lease is attached, no label is written without holding it.
+- while a leader lease is attached, no label is written without holding it;
+- a job's pod changes role (elastic pool) in two preconditioned patches: the
+  target as an annotation, then the role label and the end of the target in one
+  patch, so the label is replaced, never removed; `recover_flips` rolls back a
+  flip cut off between the two.
 
 It deliberately knows nothing of how roles switch inside a worker (the worker
 does that) and never creates or deletes pods: the StatefulSet owns them.
@@ -31,7 +35,7 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,12 +51,21 @@ _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 ROLE_LABEL = "reflow.io/role"
 JOB_LABEL = "reflow.io/job"
+# A role flip in flight: the role a pod is being moved to (phase one of flip_role).
+ROLE_TARGET = "reflow.io/role-target"
+ROLES = ("trainer", "rollout")
 # Worker states in which a job still holds the worker.
-BUSY_STATES = ("starting", "running")
+# A worker in any of these states serves a job: an elastic job's engine standing by
+# and trainer replica (loaded, joining or in the group) count as busy too.
+BUSY_STATES = ("starting", "running", "standby", "joining", "training")
 
 
 class NotLeader(RuntimeError):
     """This scheduler no longer holds the leader lease; it must not write."""
+
+
+class PodNotInJob(RuntimeError):
+    """The pod is not (or no longer) one of the job's: another job's, replaced, or gone."""
 
 
 class KubeSettings(BaseModel):
@@ -156,6 +169,20 @@ class KubePlacement(Placement):
             out.setdefault(claim.role, []).append(name)
         return out
 
+    @property
+    def trainer_addresses(self) -> list[str]:
+        """Every trainer pod's address, by pod name (one until rollout pods flip)."""
+        return [c.address for _, c in sorted(self.pods.items()) if c.role == "trainer"]
+
+    def _set_role(self, pod_name: str, role: str) -> None:
+        """Record a flip that landed. `trainer_address` stays on its pod while that pod
+        trains; the lists are replaced, not mutated, for readers on other threads."""
+        self.pods[pod_name] = replace(self.pods[pod_name], role=role)
+        self.rollout_addresses = [c.address for _, c in sorted(self.pods.items())
+                                  if c.role == "rollout"]
+        if self.trainer_address not in self.trainer_addresses:
+            self.trainer_address = self.trainer_addresses[0]
+
 
 class KubernetesBackend:
     def __init__(self, settings: KubeSettings, api_client=None) -> None:
@@ -212,15 +239,21 @@ class KubernetesBackend:
             key=lambda p: p.metadata.name,
         )
 
-    def place(self, job_id: str, run_dir: Path, colocated: bool = False) -> KubePlacement:
-        """Claim free, idle workers for `job_id`. `colocated` (sync mode) is not honoured
-        here yet: every role gets its own pod until workers switch roles in place. A claim that loses a race (409) is
-        undone and the choice made again from a fresh list; after `claim_attempts`
-        lost races, or with too few free workers, NoCapacity: the job waits PENDING."""
+    supports_elastic = True
+
+    def place(self, job_id: str, run_dir: Path, colocated: bool = False,
+              roles: list[str] | None = None) -> KubePlacement:
+        """Claim free, idle workers for `job_id`: one trainer and the rest rollout, or
+        for an elastic job (`roles`: worker i's initial role, worker 0 the trainer
+        leader) exactly len(roles) pods labelled with those roles, whose roles then
+        move with `flip_role`. `colocated` (sync mode) is not honoured here: every
+        role gets its own pod. A claim that loses a race (409) is undone and the
+        choice made again from a fresh list; after `claim_attempts` lost races, or
+        with too few free workers, NoCapacity: the job waits PENDING."""
         s = self.settings
         self.pod_watch.start()
         try:
-            placement = self._choose_and_claim(job_id)
+            placement = self._choose_and_claim(job_id, roles)
         except ApiUnavailable as err:
             raise NoCapacity(f"job {job_id}: the Kubernetes API is unavailable ({err}); "
                              "trying again") from None
@@ -233,19 +266,20 @@ class KubernetesBackend:
         logger.info("job %s placed on %s", job_id, placement.workers)
         return placement
 
-    def _choose_and_claim(self, job_id: str) -> KubePlacement:
+    def _choose_and_claim(self, job_id: str, roles: list[str] | None = None) -> KubePlacement:
         s = self.settings
+        need = len(roles) if roles else 2
         for attempt in range(s.claim_attempts):
             free = [p for p in self.free_workers(job_id) if self._worker_idle(p)]
-            if len(free) < 2:
+            if len(free) < need:
                 raise NoCapacity(
-                    f"job {job_id} needs 2 ready, idle, unassigned worker pods "
+                    f"job {job_id} needs {need} ready, idle, unassigned worker pods "
                     f"({s.worker_selector}) and {len(free)} are free; scale the workers "
                     "(worker.replicas) or wait for a job to end")
-            trainer, rollouts = free[0], free[1:]
-            if s.max_rollout_workers:
+            trainer, rollouts = free[0], free[1:need] if roles else free[1:]
+            if s.max_rollout_workers and not roles:
                 rollouts = rollouts[: s.max_rollout_workers]
-            placement = self._claim_all(job_id, trainer, rollouts)
+            placement = self._claim_all(job_id, trainer, rollouts, roles)
             if placement is not None:
                 return placement
             # Someone else took one of these pods first: look again, a little later.
@@ -253,15 +287,22 @@ class KubernetesBackend:
         raise NoCapacity(f"job {job_id}: other placements took the free workers "
                          f"{s.claim_attempts} times in a row; trying again")
 
-    def _claim_all(self, job_id: str, trainer, rollouts: list) -> KubePlacement | None:
+    def _claim_all(self, job_id: str, trainer, rollouts: list,
+                   roles: list[str] | None = None) -> KubePlacement | None:
+        """Label the pods for the job. An elastic job's pods (`roles`) are its workers
+        in order: every pod but the leader holds a rollout engine, whatever its role."""
         s = self.settings
         address = lambda pod: f"{pod.status.pod_ip}:{s.worker_port}"  # noqa: E731
         placement = KubePlacement(
             replay_address=s.replay_address,
             rollout_addresses=[address(p) for p in rollouts],
             trainer_address=address(trainer), job_id=job_id, backend=self,
+            worker_addresses=[address(p) for p in [trainer, *rollouts]] if roles else [],
+            worker_names=[p.metadata.name for p in [trainer, *rollouts]] if roles else [],
         )
-        for pod, role in [(trainer, "trainer")] + [(p, "rollout") for p in rollouts]:
+        labelled = [(trainer, "trainer")] + [
+            (p, roles[i] if roles else "rollout") for i, p in enumerate(rollouts, start=1)]
+        for pod, role in labelled:
             try:
                 self._patch_labels(pod.metadata.name, role, job_id, pod.metadata.resource_version)
             except Exception as err:
@@ -275,15 +316,21 @@ class KubernetesBackend:
                                                          address(pod))
         return placement
 
-    def _patch_labels(self, pod_name: str, role: str, job_id: str | None,
-                      resource_version: str) -> None:
-        """A label patch that carries resourceVersion: the server refuses it (409) if the
-        pod changed since it was read, so two placements can never claim one pod."""
+    def _patch(self, pod_name: str, resource_version: str, **metadata):
+        """A metadata patch that carries resourceVersion: the server refuses it (409) if
+        the pod changed since it was read. Returns the pod as written."""
         if self._lease is not None and not self._lease.held():
             raise NotLeader("this scheduler lost its leader lease; it writes nothing more")
-        body = {"metadata": {"resourceVersion": resource_version,
-                             "labels": {ROLE_LABEL: role, JOB_LABEL: job_id}}}
-        self.call(self.core.patch_namespaced_pod, pod_name, self.settings.namespace, body)
+        body = {"metadata": {"resourceVersion": resource_version, **metadata}}
+        return self.call(self.core.patch_namespaced_pod, pod_name, self.settings.namespace, body)
+
+    def _patch_labels(self, pod_name: str, role: str, job_id: str | None,
+                      resource_version: str):
+        """Role and job in one preconditioned patch, so two placements can never claim
+        one pod. It also ends any role flip in flight: a target belongs to one flip."""
+        return self._patch(pod_name, resource_version,
+                           labels={ROLE_LABEL: role, JOB_LABEL: job_id},
+                           annotations={ROLE_TARGET: None})
 
     def _unlabel(self, pod_name: str, job_id: str, uid: str | None = None) -> bool:
         """Label the pod idle again, if it still carries `job_id` (and is the same pod):
@@ -318,6 +365,132 @@ class KubernetesBackend:
             except Exception as err:  # noqa: BLE001 - reclaim_orphans picks it up later
                 logger.warning("could not release pod %s from job %s: %s", name,
                                placement.job_id, err)
+
+    # --- role flips (elastic pool) -------------------------------------------------------
+
+    def flip_role(self, placement: KubePlacement, pod_name: str, role: str) -> str:
+        """Move one of the job's pods to `role` ("trainer" or "rollout"); returns the role
+        it had. Two patches, each preconditioned on the resourceVersion just read: the
+        target annotation, then the role label and the end of the target in one patch.
+        On 409 the pod is read again, checked to be still this job's (job label and UID,
+        else PodNotInJob) and the flip goes on from where the pod stands. The placement
+        follows once the label has landed. Only the Kubernetes record changes: moving
+        the worker itself to the new role, and running one job's flips one at a time,
+        are the caller's."""
+        from kubernetes.client.exceptions import ApiException
+
+        job_id, claim = placement.job_id, _flip_claim(placement, pod_name, role)
+        pod = self._read_claimed(pod_name, job_id, claim.uid)
+        # From any read two writes finish the flip; `steps` also ends the loop should a
+        # server accept a patch without applying it.
+        limit, conflicts, steps = self.settings.claim_attempts * 2, 0, 0
+        while True:
+            target = (pod.metadata.annotations or {}).get(ROLE_TARGET)
+            if (pod.metadata.labels or {}).get(ROLE_LABEL) == role and target is None:
+                break
+            steps += 1
+            if conflicts > limit or steps > 3 * (limit + 1):
+                raise RuntimeError(f"pod {pod_name}: could not flip it to {role} for job "
+                                   f"{job_id} ({conflicts} conflicts); recover_flips rolls "
+                                   "back what is left")
+            try:
+                if target == role:  # phase two: the label is replaced, never removed
+                    pod = self._patch_labels(pod_name, role, job_id, pod.metadata.resource_version)
+                else:  # phase one: from here on a crash leaves a target for recover_flips
+                    pod = self._patch(pod_name, pod.metadata.resource_version,
+                                      annotations={ROLE_TARGET: role})
+            except ApiException as err:
+                if err.status == 404:
+                    raise PodNotInJob(f"pod {pod_name} of job {job_id} is gone") from None
+                if err.status != 409:
+                    raise
+                conflicts += 1
+                logger.info("job %s: pod %s changed during its flip to %s (409); reading it "
+                            "again", job_id, pod_name, role)
+                time.sleep(0.02 * conflicts * (1 + random.random()))  # nosec B311 # jitter
+                pod = self._read_claimed(pod_name, job_id, claim.uid)
+        placement._set_role(pod_name, role)
+        logger.info("job %s: pod %s flipped from %s to %s; workers %s", job_id, pod_name,
+                    claim.role, role, placement.workers)
+        return claim.role
+
+    def _read_pod(self, name: str):
+        """The pod of that name, or None if there is none."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.call(self.core.read_namespaced_pod, name, self.settings.namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def _read_claimed(self, pod_name: str, job_id: str, uid: str):
+        """The pod, if it still carries `job_id` and is the pod that was claimed."""
+        pod = self._read_pod(pod_name)
+        if pod is None:
+            raise PodNotInJob(f"pod {pod_name} of job {job_id} is gone")
+        job = (pod.metadata.labels or {}).get(JOB_LABEL)
+        if job != job_id:
+            raise PodNotInJob(f"pod {pod_name} is no longer job {job_id}'s: it carries "
+                              + (f"job {job}" if job else "no job"))
+        if pod.metadata.uid != uid:
+            raise PodNotInJob(f"pod {pod_name} is no longer job {job_id}'s: it was replaced by "
+                              "a new pod of the same name (new UID)")
+        return pod
+
+    def recover_flips(self, job_id: str | None = None) -> list[str]:
+        """Roll back every role flip cut off between its two patches (its scheduler died,
+        or the API failed it): the target goes, the role label stays as it was. Pods of
+        `job_id`, or of any job with None; returns the pods rolled back.
+
+        Back, not forward, because the label patch is a flip's commit point: until it
+        lands no reader of the role has seen the new one (Services, dashboards, the
+        placement, the planner, which counts a move only once carried out) and
+        flip_role has told its caller the flip failed. Rolling back restores a state
+        all of them agree on, and the planner decides again on its next window;
+        completing it would carry out the decision of a scheduler that may be gone.
+        Pods given back (release, reclaim_orphans) need none of this: that patch clears
+        the target with the labels."""
+        s = self.settings
+        rolled_back = []
+        for pod in self.call(self.core.list_namespaced_pod, s.namespace,
+                             label_selector=s.worker_selector).items:
+            labels = pod.metadata.labels or {}
+            if ROLE_TARGET not in (pod.metadata.annotations or {}) \
+                    or job_id not in (None, labels.get(JOB_LABEL)) \
+                    or any(labels.get(k) != v for k, v in self.selector.items()):
+                continue
+            try:
+                if self._clear_target(pod):
+                    rolled_back.append(pod.metadata.name)
+            except ApiUnavailable as err:  # it keeps its role; the next recovery or flip sees it
+                logger.warning("could not roll back the role flip of pod %s: %s",
+                               pod.metadata.name, err)
+        return rolled_back
+
+    def _clear_target(self, pod) -> bool:
+        """Drop the pending target of `pod`, preconditioned; on 409 read it again."""
+        from kubernetes.client.exceptions import ApiException
+
+        name, uid = pod.metadata.name, pod.metadata.uid
+        job_id = (pod.metadata.labels or {}).get(JOB_LABEL)
+        for _ in range(self.settings.claim_attempts * 2):
+            target = pod and (pod.metadata.annotations or {}).get(ROLE_TARGET)
+            if target is None or pod.metadata.uid != uid \
+                    or (pod.metadata.labels or {}).get(JOB_LABEL) != job_id:
+                return False  # gone, replaced, another job's, or its flip ended meanwhile
+            try:
+                self._patch(name, pod.metadata.resource_version, annotations={ROLE_TARGET: None})
+                logger.info("pod %s (job %s): role flip to %s rolled back; its role stays %s",
+                            name, job_id, target, (pod.metadata.labels or {}).get(ROLE_LABEL))
+                return True
+            except ApiException as err:
+                if err.status not in (404, 409):
+                    raise
+            pod = self._read_pod(name)
+        logger.warning("pod %s: repeated conflicts while rolling back its role flip", name)
+        return False
 
     # --- workers ----------------------------------------------------------------------
 
@@ -456,6 +629,21 @@ class KubernetesBackend:
                 texts.append(f"--- pod {name} ---\n" + text.encode()[-tail_bytes:].decode(errors="replace"))
             out.append(ServiceLog(service, "".join(texts), truncated))
         return out
+
+
+def _flip_claim(placement: KubePlacement, pod_name: str, role: str) -> PodClaim:
+    """The claim of a pod the job may flip to `role`; refusals need no API call."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    claim = placement.pods.get(pod_name)
+    if claim is None:
+        raise PodNotInJob(f"pod {pod_name} is not one of job {placement.job_id}'s pods "
+                          f"({', '.join(sorted(placement.pods))}); its role is not ours to flip")
+    if claim.role != role and placement.workers.get(claim.role) == [pod_name]:
+        raise ValueError(f"pod {pod_name} is job {placement.job_id}'s last {claim.role} worker "
+                         f"and a job keeps at least one of each role; flip another pod to "
+                         f"{claim.role} first")
+    return claim
 
 
 def _last_exit_code(pod) -> int:

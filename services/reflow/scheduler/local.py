@@ -50,8 +50,10 @@ class Placement:
     trainer_address: str
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     # An elastic job's AsyncHybrid workers, by index (0 holds trainer rank 0; the
-    # rollout addresses are then the engines of workers 1..N-1); empty otherwise.
+    # rollout addresses are then the engines of workers 1..N-1), and their names
+    # (pods on Kubernetes); empty otherwise.
     worker_addresses: list[str] = field(default_factory=list)
+    worker_names: list[str] = field(default_factory=list)
 
     def exited(self) -> list[tuple[str, int, str]]:
         """Services that are gone: (name, exit code, what happened)."""
@@ -108,13 +110,13 @@ class LocalBackend:
         return {}
 
     def place(self, job_id: str, run_dir: Path, colocated: bool = False,
-              workers: int | None = None) -> Placement:
+              roles: list[str] | None = None) -> Placement:
         """Start the job's services: the replay buffer, and either one rollout and one
-        trainer process or (`workers`, an elastic job) that many AsyncHybrid workers."""
+        trainer process or (`roles`, an elastic job) an AsyncHybrid worker per role."""
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        if workers:
-            return self._place_workers(job_id, run_dir, log_dir, workers)
+        if roles:
+            return self._place_workers(job_id, run_dir, log_dir, len(roles))
         names = ("replay", "rollout", "trainer")
         allocated = procs.free_ports(2 * len(names))
         ports = dict(zip(names, allocated))
@@ -150,7 +152,8 @@ class LocalBackend:
         addresses = [f"127.0.0.1:{ports[f'worker-{i}']}" for i in range(workers)]
         placement = Placement(replay_address=f"127.0.0.1:{ports['replay']}",
                               rollout_addresses=addresses[1:], trainer_address=addresses[0],
-                              worker_addresses=addresses)
+                              worker_addresses=addresses,
+                              worker_names=[f"worker-{i}" for i in range(workers)])
         record_endpoints(run_dir, {
             name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
             for name, port in ports.items()})

@@ -59,8 +59,14 @@ class SchedulerCollector:
                                       labels=["job_id", "reason"])
         placement = CounterMetricFamily(
             "reflow_scheduler_placement_recommendations", "Rebalances Algorithm 1 chose (paper "
-            "§6.2), by reason (more_rollout, more_trainer); recorded, not yet carried out.",
+            "§6.2), by reason (more_rollout, more_trainer), carried out or not.",
             labels=["job_id", "reason"])
+        rebalances = CounterMetricFamily(
+            "reflow_scheduler_rebalances", "Rebalances carried out with role flips (elastic "
+            "jobs), by reason (more_rollout, more_trainer).", labels=["job_id", "reason"])
+        flips = CounterMetricFamily(
+            "reflow_scheduler_role_flips", "Role flips carried out, by direction.",
+            labels=["job_id", "direction"])
         groups = CounterMetricFamily("reflow_scheduler_dispatched_groups",
                                      "Groups dispatched, by worker.", labels=["job_id", "worker"])
         for job_id, snap in sorted(self.scheduler.dispatch_snapshots().items()):
@@ -76,7 +82,12 @@ class SchedulerCollector:
                 groups.add_metric([job_id, name], n)
             for reason, n in snap["placement_recommendations"].items():
                 placement.add_metric([job_id, reason], n)
-        yield from (caps, inflight, tokens, rejections, changes, groups, placement)
+            for reason, n in snap.get("rebalances", {}).items():
+                rebalances.add_metric([job_id, reason], n)
+            for direction, n in snap.get("role_flips", {}).items():
+                flips.add_metric([job_id, direction], n)
+        yield from (caps, inflight, tokens, rejections, changes, groups, placement, rebalances,
+                    flips)
 
 
 def scheduler_registry(scheduler) -> CollectorRegistry:

@@ -68,6 +68,10 @@ class Scheduler:
                 record.phase, record.reason = "FAILED", "scheduler restarted while the job ran"
                 record.finished_at = time.time()
                 self.store.save(record)
+        # A flip a dead scheduler left half done (Kubernetes) is rolled back first.
+        recover_flips = getattr(self.backend, "recover_flips", None)
+        if recover_flips is not None:
+            recover_flips()
         self.backend.reclaim_orphans(active_job_ids=set())
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
@@ -203,9 +207,13 @@ class Scheduler:
             GrpcTrainerClient(address).start_job(record.job_id, record.spec_json,
                                                  placement.replay_address, [],
                                                  leader_host=leader_host)
+        flip_label = getattr(self.backend, "flip_role", None)
         return ElasticPool(record.job_id, spec, placement.worker_addresses, leader,
                            dispatcher=None, worker_client_factory=GrpcWorkerClient,
-                           record=lambda event: None)
+                           record=lambda event: None, names=placement.worker_names,
+                           # Kubernetes: the pod's reflow.io/role label follows each flip.
+                           relabel=(lambda name, role: flip_label(placement, name, role))
+                           if flip_label else None)
 
     def _start_dispatcher(self, record: JobRecord, placement: Placement,
                           rollouts: list[GrpcRolloutClient], run_dir: Path,
@@ -306,8 +314,9 @@ class Scheduler:
             try:
                 spec = JobSpec.model_validate_json(record.spec_json)
                 if spec.cluster.workers:
+                    roles = [spec.cluster.initial_role(i) for i in range(spec.cluster.workers)]
                     return self.backend.place(record.job_id, run_dir, colocated=spec.colocated,
-                                              workers=spec.cluster.workers)
+                                              roles=roles)
                 return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
             except NoCapacity as err:
                 if record.reason != str(err):
@@ -340,7 +349,7 @@ class Scheduler:
                 return "FAILED", f"dispatcher: {dispatcher.error}"
             status = trainer.status(record.job_id, since_step=record.step)
             if planner is not None:
-                self._observe_placement(planner, dispatcher, status.metrics)
+                self._observe_placement(planner, dispatcher, status.metrics, pool)
             if pool is not None:
                 pool.schedule(status.step)
                 record.workers = pool.by_role()
@@ -355,12 +364,11 @@ class Scheduler:
 
     @staticmethod
     def _observe_placement(planner: PlacementPlanner, dispatcher: Dispatcher,
-                           records: list[dict]) -> None:
+                           records: list[dict], pool: ElasticPool | None = None) -> None:
         """Feed each new training step to Algorithm 1 (paper §6.2) and record its
         decision: in the job's scheduling events and on the step's metrics record.
-        Moving workers between roles is the elastic pool's (role flips); until a
-        job can flip roles a decision to rebalance is recorded, not carried out
-        (`carried_out: false`)."""
+        An elastic job carries a rebalance out with role flips (at the next sync
+        boundaries); a job with fixed roles records it (`carried_out: false`)."""
         for m in records:
             if "generated_samples" not in m or m.get("step_time_s", 0) <= 0:
                 continue
@@ -374,12 +382,19 @@ class Scheduler:
                 rollout_blocked_ratio=min(1.0, float(m["rollout_idle_ratio"])),
                 trainer_idle_ratio=min(1.0, float(m["trainer_idle_ratio"])))
             decision = planner.observe(window)
-            event = {"event": "placement", **decision.as_event(),
-                     "carried_out": False}
+            carried_out = False
             if decision.action == "rebalance":
                 dispatcher.placement_recommendations[decision.reason] += 1
+                if pool is not None and decision.chosen is not None and pool.rebalance(
+                        decision.chosen.rollout_workers, decision.reason):
+                    carried_out = True
+                    dispatcher.rebalances[decision.reason] += 1
+                    planner.applied(window.step, decision.chosen.rollout_workers,
+                                    decision.chosen.trainer_workers)
+            event = {"event": "placement", **decision.as_event(), "carried_out": carried_out}
             dispatcher.record(event)
             m["placement_action"], m["placement_reason"] = decision.action, decision.reason
+            m["placement_carried_out"] = carried_out
             if decision.current is not None:
                 m["placement_predicted_coverage"] = decision.current.predicted_coverage
 

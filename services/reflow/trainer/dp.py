@@ -31,6 +31,8 @@ from reflow.wire import trajectory_from_bytes, trajectory_to_bytes
 # Flattened all-reduce buckets (bytes): large enough to amortise a collective's
 # latency, small enough not to double a big model's gradient memory.
 ALLREDUCE_BUCKET_BYTES = 32 * 1024 * 1024
+# Parameters and optimizer state travel to a joining replica in buckets this size.
+STATE_BUCKET_BYTES = 256 * 1024 * 1024
 # A command header larger than this is a protocol error, not a batch.
 MAX_HEADER_BYTES = 1 << 20
 
@@ -69,6 +71,21 @@ def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
         state = optimizer.state[p]
         out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
     return out
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, at most `bucket_bytes` a bucket (a larger
+    tensor alone); every rank cuts the same list the same way."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
 
 
 @dataclass
@@ -137,14 +154,23 @@ class TrainerGroup:
         return str(header["op"]), int(header.get("step", 0)), trajectories
 
     def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-        """Rank 0's parameters and optimizer state to every rank; returns bytes."""
+        """Rank 0's parameters and optimizer state to every rank, in flat buckets
+        (one collective per bucket, not per tensor); returns bytes."""
         sent = 0
         with torch.no_grad():
-            for tensor in _state_tensors(model, optimizer):
-                if tensor.device != self.device:
-                    tensor.data = tensor.data.to(self.device)
-                self._broadcast(tensor)
-                sent += tensor.numel() * tensor.element_size()
+            for bucket in _buckets(_state_tensors(model, optimizer), STATE_BUCKET_BYTES):
+                numel = sum(t.numel() for t in bucket)
+                if self.rank == 0:
+                    flat = torch.cat([t.reshape(-1) for t in bucket]).to(self.device)
+                else:
+                    flat = torch.empty(numel, dtype=bucket[0].dtype, device=self.device)
+                self._broadcast(flat)
+                if self.rank:
+                    offset = 0
+                    for t in bucket:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+                sent += flat.numel() * flat.element_size()
         return sent
 
     def sum_gradients(self, model: torch.nn.Module, extra: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,8 @@ class TrainerReplica:
             group.broadcast_state(loop.model, loop.optimizer)
             logger.info("job %s: replica rank %d/%d of epoch %d, state received in %.2fs",
                         self.job_id, rank, world_size, epoch, time.monotonic() - started)
+            if self._stop.is_set():
+                return
             self.state = "training"
             while not self._stop.is_set():
                 op, step, trajectories = group.receive_command()
@@ -98,18 +100,26 @@ class TrainerReplica:
                     self.step = step
                     self.steps_trained += 1
                 elif op == "regroup":
-                    self.state = "standby"
+                    if not self._stop.is_set():
+                        self.state = "standby"
                     return
                 elif op == "stop":
-                    self.state = "succeeded"
+                    if not self._stop.is_set():
+                        self.state = "succeeded"
                     return
                 else:
                     raise ValueError(f"trainer group: unknown command {op!r}")
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
+            if self._stop.is_set():
+                logger.info("job %s: stopped replica left its group: %s", self.job_id, err)
+                return
             logger.exception("job %s: replica failed", self.job_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
 
     def stop(self) -> None:
+        """End this replica's part in the job. A replica blocked in a collective of a
+        group whose leader is gone is released by the group's timeout; it reports
+        stopped from now on, so the worker can take another job meanwhile."""
         self._stop.set()
-        if self.state in ("starting", "standby"):
+        if self.state not in ("succeeded", "failed"):
             self.state = "stopped"

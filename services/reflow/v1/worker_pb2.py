@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import common_pb2 as reflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/worker.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"G\n\x0eSetRoleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"z\n\nRoleStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x66lips\x18\x03 \x01(\x03\x12\x11\n\tlast_flip\x18\x04 \x01(\t\x12\x13\n\x0blast_flip_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x65ngine_inflight\x18\x06 \x01(\x05\x32z\n\x06Worker\x12;\n\x07SetRole\x12\x19.reflow.v1.SetRoleRequest\x1a\x15.reflow.v1.RoleStatus\x12\x33\n\x07GetRole\x12\x11.reflow.v1.JobRef\x1a\x15.reflow.v1.RoleStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/worker.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"Z\n\x0eSetRoleRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\x11\n\thand_back\x18\x04 \x01(\x08\"z\n\nRoleStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x66lips\x18\x03 \x01(\x03\x12\x11\n\tlast_flip\x18\x04 \x01(\t\x12\x13\n\x0blast_flip_s\x18\x05 \x01(\x01\x12\x17\n\x0f\x65ngine_inflight\x18\x06 \x01(\x05\x32z\n\x06Worker\x12;\n\x07SetRole\x12\x19.reflow.v1.SetRoleRequest\x1a\x15.reflow.v1.RoleStatus\x12\x33\n\x07GetRole\x12\x11.reflow.v1.JobRef\x1a\x15.reflow.v1.RoleStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'reflow.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SETROLEREQUEST']._serialized_start=61
-  _globals['_SETROLEREQUEST']._serialized_end=132
-  _globals['_ROLESTATUS']._serialized_start=134
-  _globals['_ROLESTATUS']._serialized_end=256
-  _globals['_WORKER']._serialized_start=258
-  _globals['_WORKER']._serialized_end=380
+  _globals['_SETROLEREQUEST']._serialized_end=151
+  _globals['_ROLESTATUS']._serialized_start=153
+  _globals['_ROLESTATUS']._serialized_end=275
+  _globals['_WORKER']._serialized_start=277
+  _globals['_WORKER']._serialized_end=399
 # @@protoc_insertion_point(module_scope)

@@ -6,14 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("job_id", "role", "drain_timeout_s")
+    __slots__ = ("job_id", "role", "drain_timeout_s", "hand_back")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HAND_BACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     role: str
     drain_timeout_s: float
-    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    hand_back: bool
+    def __init__(self, job_id: _Optional[str] = ..., role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ..., hand_back: _Optional[bool] = ...) -> None: ...
 
 class RoleStatus(_message.Message):
     __slots__ = ("job_id", "role", "flips", "last_flip", "last_flip_s", "engine_inflight")

@@ -15,11 +15,13 @@ class GrpcWorkerClient:
         self._channel = rpc.channel(address)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
-    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0) -> RoleStatus:
+    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0,
+                 hand_back: bool = False) -> RoleStatus:
         from reflow.v1 import worker_pb2
 
         m = self._stub.SetRole(worker_pb2.SetRoleRequest(job_id=job_id, role=role,
-                                                         drain_timeout_s=drain_timeout_s),
+                                                         drain_timeout_s=drain_timeout_s,
+                                                         hand_back=hand_back),
                                timeout=drain_timeout_s + self.deadline_s)
         return RoleStatus(m.job_id, m.role, m.flips, m.last_flip, m.last_flip_s,
                           m.engine_inflight)
@@ -42,8 +44,9 @@ class InprocWorkerClient:
         self.worker = worker
         self.address = f"inproc-{id(worker):x}"
 
-    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0) -> RoleStatus:
-        return self.worker.set_role(job_id, role, drain_timeout_s)
+    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0,
+                 hand_back: bool = False) -> RoleStatus:
+        return self.worker.set_role(job_id, role, drain_timeout_s, hand_back)
 
     def role(self, job_id: str) -> RoleStatus:
         return self.worker.role(job_id)

@@ -20,7 +20,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def SetRole(self, request, context):
         try:
             return _to_proto(self.worker.set_role(request.job_id, request.role,
-                                                  request.drain_timeout_s or 60.0))
+                                                  request.drain_timeout_s or 60.0,
+                                                  request.hand_back))
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
 

@@ -3,8 +3,10 @@
 The process serves the Rollout and Trainer services beside this one (see
 `reflow serve worker`); both halves are started for an elastic job before any
 role is given, so a flip only moves work, never builds anything:
-- rollout -> trainer: the engine stops admitting groups and its samples in
-  flight finish (into the buffer: nothing is cut short or lost); it stays
+- rollout -> trainer: the engine stops admitting groups; its groups in flight
+  either go back to the dispatcher, which routes them again with their budget
+  (`cluster.flip_inflight: return`: the flip does not wait, the partial tokens
+  are discarded), or finish into the buffer first (`finish`). It stays
   loaded and keeps receiving every published version, so the flip back needs
   no weight transfer. On CPU the engine's memory stays allocated (the
   equivalent of vLLM's sleep mode there is none: the KV cache is plain host
@@ -46,7 +48,10 @@ class HybridWorker:
         self._lock = threading.Lock()
         self._status = RoleStatus("", "")
 
-    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0) -> RoleStatus:
+    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0,
+                 hand_back: bool = False) -> RoleStatus:
+        """`hand_back`: to the trainer role, abort the groups in flight and return
+        them to the dispatcher instead of letting them finish (`drain_timeout_s`)."""
         check_job_id(job_id)
         if role not in ROLES:
             raise ValueError(f"role: {role[:40]!r} is not one of {', '.join(ROLES)}")
@@ -60,7 +65,8 @@ class HybridWorker:
             started = time.monotonic()
             # The engine must belong to this job (started by the scheduler).
             inflight = self.rollout.set_standby(job_id, role == "trainer",
-                                                drain_timeout_s if role == "trainer" else 0.0)
+                                                drain_timeout_s if role == "trainer" else 0.0,
+                                                hand_back and role == "trainer")
             if role == "trainer" and inflight:
                 # Not drained: admit again and report, rather than strand samples.
                 self.rollout.set_standby(job_id, False)

@@ -41,8 +41,8 @@ class RecordingRolloutService(RolloutService):
         super().__init__()
         self.prompt_ids: list[str] = []
 
-    def submit_group(self, job_id, group_id, prompt, concurrency_cap=0):
-        accepted = super().submit_group(job_id, group_id, prompt, concurrency_cap)
+    def submit_group(self, job_id, group_id, prompt, concurrency_cap=0, bounds=None):
+        accepted = super().submit_group(job_id, group_id, prompt, concurrency_cap, bounds)
         if accepted:
             self.prompt_ids.append(prompt.prompt_id)
         return accepted

@@ -63,9 +63,9 @@ class OneWorker:
         self.worker = worker
         self.prompts: list[str] = []
 
-    def submit_group(self, job_id, group_id, prompt, concurrency_cap=0):
+    def submit_group(self, job_id, group_id, prompt, concurrency_cap=0, bounds=None):
         self.prompts.append(prompt.prompt_id)
-        return self.worker.submit_group(group_id, prompt, concurrency_cap)
+        return self.worker.submit_group(group_id, prompt, concurrency_cap, bounds)
 
     def wait_events(self, job_id, since_seq, wait_s):
         return self.worker.wait_events(since_seq, wait_s)
@@ -173,3 +173,63 @@ def test_a_cap_that_holds_back_work_on_an_idle_cache_rises():
     snap = dispatcher.snapshot()
     assert snap["workers"]["w0"]["cap"] == 8  # 2 -> 4 -> 6 -> 8, then bounded
     assert snap["cap_changes"]["raise_under_utilised"] == 3
+
+
+class LengthRecorder(StaggeredEngine):
+    """Records each request's length bounds."""
+
+    def __init__(self) -> None:
+        super().__init__(0.005)
+        self.bounds: list[tuple[int, int]] = []
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        self.bounds.append((sampling.min_tokens, sampling.max_tokens))
+        async for delta in super().generate(request_id, prompt_ids, sampling):
+            yield delta
+
+
+class VersionedBudget(Budget):
+    """A budget whose published version the test moves."""
+
+    version = 0
+
+    def stats(self, job_id):
+        return type("Stats", (), {"policy_version": self.version})()
+
+
+def test_a_length_curriculum_bounds_responses_by_the_published_version():
+    spec = _spec(rollout={"group_size": 2, "max_inflight_samples": 4, "max_tokens": 16,
+                          "length_schedule": [{"from_version": 2, "max_tokens": 64,
+                                               "min_tokens": 48},
+                                              {"from_version": 4, "max_tokens": 8}]},
+                 scheduler={"adaptive": False})
+    assert [spec.rollout.response_bounds(v) for v in (0, 1, 2, 3, 4, 9)] == [
+        (0, 16), (0, 16), (48, 64), (48, 64), (0, 8), (0, 8)]
+    engine, budget = LengthRecorder(), VersionedBudget(limit=10**9)
+
+    def advance(d, c):
+        seen = set(engine.bounds)
+        budget.version = {(0, 16): 2, (48, 64): 4}.get(engine.bounds[-1], 4) \
+            if engine.bounds else 0
+        return {(0, 16), (48, 64), (0, 8)} <= seen
+
+    _run(spec, [engine], budget, advance)
+    stages = [b for i, b in enumerate(engine.bounds) if i == 0 or engine.bounds[i - 1] != b]
+    assert stages == [(0, 16), (48, 64), (0, 8)]  # in order, never back
+
+
+def test_a_length_curriculum_is_validated():
+    import pytest
+
+    with pytest.raises(ValueError, match="increasing version order"):
+        _spec(rollout={"length_schedule": [{"from_version": 3, "max_tokens": 8},
+                                           {"from_version": 3, "max_tokens": 9}]})
+    with pytest.raises(ValueError, match=r"length_schedule\[0\].min_tokens"):
+        _spec(rollout={"length_schedule": [{"from_version": 1, "max_tokens": 8,
+                                            "min_tokens": 9}]})
+    from reflow.core.limits import OperatorLimits
+
+    with pytest.raises(ValueError, match="rollout.max_tokens"):
+        OperatorLimits(max_response_tokens=32).check(
+            _spec(rollout={"max_tokens": 16,
+                           "length_schedule": [{"from_version": 1, "max_tokens": 64}]}))

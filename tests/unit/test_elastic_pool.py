@@ -237,3 +237,75 @@ def test_an_elastic_spec_survives_its_own_round_trip():
         spec = _spec(**cluster)
         again = type(spec).model_validate_json(spec.model_dump_json())
         assert again == spec
+
+
+def _window(step: int, pool, per_rollout_worker: float, response_len: float) -> dict:
+    """One training step's record as the trainer writes it: each trainer replica
+    consumes 32 samples/s, each rollout worker produces `per_rollout_worker`."""
+    roles = pool.by_role()
+    rollout, trainer = len(roles["rollout"]), len(roles["trainer"])
+    consumed = 32 * trainer
+    return {"step": step, "step_time_s": 1.0, "generated_samples": per_rollout_worker * rollout,
+            "fresh_samples": consumed, "stale_samples": 0, "replay_samples": 0,
+            "rollout_idle_ratio": 0.0, "trainer_idle_ratio": 0.0, "rollout_workers": rollout,
+            "trainer_workers": trainer, "response_len_mean": response_len}
+
+
+def test_response_lengths_that_grow_move_workers_to_rollout_and_back(pool_job):
+    """Algorithm 1 driving the pool (paper §6.2): longer responses cut each rollout
+    worker's production, so the split moves toward rollout at the first step past
+    the cooldown; when they shorten again it moves back. Each decision lands on
+    the step's record and as an event with carried_out."""
+    from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
+    from reflow.scheduler.service import Scheduler
+
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
+    dispatcher.record = events.append  # the job's scheduling events, in one list here
+    planner = PlacementPlanner(PlacementPolicy(replay_cap=0.5, cooldown_steps=3, min_gain=0.1),
+                               total_workers=3)
+    records, flips = [], 0
+    # (steps, samples/s per rollout worker, mean response length): short, long, short.
+    phases = [(range(1, 6), 32.0, 12.0), (range(6, 12), 8.0, 48.0), (range(12, 18), 32.0, 12.0)]
+    for steps, rate, length in phases:
+        for step in steps:
+            record = _window(step, pool, rate, length)
+            Scheduler._observe_placement(planner, dispatcher, [record], pool)
+            records.append(record)
+            if record["placement_carried_out"]:
+                flips += 1
+                _wait(lambda: pool.flips_done == flips)
+    moves = [(r["step"], r["placement_reason"]) for r in records if r["placement_carried_out"]]
+    # Step 1: two rollout workers out-produce one trainer (coverage 2 against 1 - σ =
+    # 0.5): one worker moves to the trainer group. Responses grow at step 6, past the
+    # cooldown: it moves back at once. They shorten at step 12: back to the trainer.
+    assert moves == [(1, "more_trainer"), (6, "more_rollout"), (12, "more_trainer")], records
+    held = {r["placement_reason"] for r in records if r["step"] in (2, 3)}
+    assert held == {"cooldown"}
+    assert pool.by_role() == {"trainer": ["worker-0", "worker-2"], "rollout": ["worker-1"]}
+    assert dispatcher.rebalances == {"more_trainer": 2, "more_rollout": 1}
+    decisions = [e for e in events if e["event"] == "placement" and e["carried_out"]]
+    assert [e["reason"] for e in decisions] == ["more_trainer", "more_rollout", "more_trainer"]
+    assert [e["reason"] for e in events if e["event"] == "role_flip"] == [
+        "placement: more_trainer", "placement: more_rollout", "placement: more_trainer"]
+
+
+def test_a_shift_inside_the_cooldown_waits_for_it(pool_job):
+    from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
+    from reflow.scheduler.service import Scheduler
+
+    pool, dispatcher, *_ = pool_job
+    planner = PlacementPlanner(PlacementPolicy(replay_cap=0.5, cooldown_steps=5, min_gain=0.1),
+                               total_workers=3)
+    first = _window(1, pool, 32.0, 12.0)
+    Scheduler._observe_placement(planner, dispatcher, [first], pool)
+    assert first["placement_carried_out"]
+    _wait(lambda: pool.flips_done == 1)
+    reasons = []
+    for step in range(2, 8):  # responses grow at once, at step 2
+        record = _window(step, pool, 8.0, 48.0)
+        Scheduler._observe_placement(planner, dispatcher, [record], pool)
+        reasons.append((record["placement_reason"], record["placement_carried_out"]))
+        if record["placement_carried_out"]:
+            break
+    # Held for the cooldown (steps 2-5), carried out at step 6, K = 5 steps after step 1.
+    assert reasons == [("cooldown", False)] * 4 + [("more_rollout", True)]

@@ -69,6 +69,19 @@ class TaskConfig(_Section):
     )
 
 
+class LengthStage(_Section):
+    """One stage of a response-length curriculum (as DeepScaleR grows its context
+    8k -> 16k -> 24k): from a policy version on, responses are generated with
+    these bounds."""
+
+    from_version: int = Field(ge=1, le=100_000_000,
+                              description="First policy version the bounds apply to.")
+    max_tokens: int = Field(ge=1, le=131072, description="Response length limit.")
+    min_tokens: int = Field(default=0, ge=0, le=131072,
+                            description="Responses are at least this long (end-of-sequence "
+                            "suppressed before).")
+
+
 class RolloutConfig(_Section):
     """Generation settings (paper §4.1 step 2)."""
 
@@ -98,6 +111,10 @@ class RolloutConfig(_Section):
         default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
     )
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
+    length_schedule: list[LengthStage] = Field(
+        default_factory=list, max_length=1000,
+        description="A response-length curriculum: bounds by policy version (stages in "
+        "version order; before the first, max_tokens and no minimum).")
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64,
         description="Tensor-parallel workers per rollout engine; each joins the weight-sync "
@@ -111,6 +128,33 @@ class RolloutConfig(_Section):
         "flight has finished, so each sample is generated under one version (verl "
         "one_step_off).",
     )
+
+
+    @model_validator(mode="after")
+    def _check_length_schedule(self) -> RolloutConfig:
+        last = 0
+        for i, stage in enumerate(self.length_schedule):
+            if stage.from_version <= last:
+                raise ValueError(f"rollout.length_schedule[{i}].from_version: stages must be in "
+                                 "increasing version order")
+            if stage.min_tokens > stage.max_tokens:
+                raise ValueError(f"rollout.length_schedule[{i}].min_tokens must not exceed its "
+                                 "max_tokens")
+            last = stage.from_version
+        return self
+
+    def response_bounds(self, policy_version: int) -> tuple[int, int]:
+        """(min_tokens, max_tokens) of responses generated under `policy_version`."""
+        bounds = (0, self.max_tokens)
+        for stage in self.length_schedule:
+            if policy_version >= stage.from_version:
+                bounds = (stage.min_tokens, stage.max_tokens)
+        return bounds
+
+    @property
+    def longest_response(self) -> int:
+        """The longest response any stage allows."""
+        return max([self.max_tokens, *(s.max_tokens for s in self.length_schedule)])
 
 
 class TrainerConfig(_Section):

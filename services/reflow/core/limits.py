@@ -49,7 +49,7 @@ class OperatorLimits(BaseModel):
         """Refuse a spec that asks for more than a ceiling, naming field and ceiling."""
         asked = [
             ("trainer.batch_size", spec.trainer.batch_size, self.max_batch_size, "max_batch_size"),
-            ("rollout.max_tokens", spec.rollout.max_tokens, self.max_response_tokens,
+            ("rollout.max_tokens", spec.rollout.longest_response, self.max_response_tokens,
              "max_response_tokens"),
             ("rollout.max_inflight_samples", spec.concurrency_cap,
              self.max_inflight_samples, "max_inflight_samples"),

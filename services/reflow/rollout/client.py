@@ -91,14 +91,16 @@ class GrpcRolloutClient:
         )
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
-                     concurrency_cap: int = 0) -> bool:
-        """Have the worker generate one group; False if it had this group_id already."""
+                     concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool:
+        """Have the worker generate one group; False if it had this group_id already.
+        `bounds`: (min_tokens, max_tokens) of its responses (None: the spec's)."""
         from reflow.v1 import rollout_pb2
 
+        min_tokens, max_tokens = bounds or (0, 0)
         req = rollout_pb2.SubmitGroupRequest(
             job_id=job_id, group_id=group_id, prompt_id=prompt.prompt_id,
             prompt_text=prompt.text, prompt_answer=prompt.answer,
-            concurrency_cap=concurrency_cap)
+            concurrency_cap=concurrency_cap, max_tokens=max_tokens, min_tokens=min_tokens)
         return self._stub.SubmitGroup(req, timeout=self.deadline_s).accepted
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
@@ -122,8 +124,8 @@ class InprocRolloutClient:
         self.address = f"inproc-{id(service):x}"
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
-                     concurrency_cap: int = 0) -> bool:
-        return self.service.submit_group(job_id, group_id, prompt, concurrency_cap)
+                     concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool:
+        return self.service.submit_group(job_id, group_id, prompt, concurrency_cap, bounds)
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
         return self.service.wait_events(job_id, since_seq, wait_s)

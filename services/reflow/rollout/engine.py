@@ -18,6 +18,8 @@ class SamplingSpec:
     max_tokens: int
     temperature: float = 1.0
     seed: int | None = None
+    # End-of-sequence is suppressed before this many tokens (a length curriculum).
+    min_tokens: int = 0
 
 
 @dataclass

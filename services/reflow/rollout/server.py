@@ -87,7 +87,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             accepted = self.service.submit_group(
                 request.job_id, request.group_id,
                 Prompt(request.prompt_id, request.prompt_text, request.prompt_answer),
-                request.concurrency_cap)
+                request.concurrency_cap,
+                (request.min_tokens, request.max_tokens) if request.max_tokens else None)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return rollout_pb2.SubmitGroupReply(accepted=accepted)

@@ -137,7 +137,7 @@ class RolloutService:
         return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
-                     concurrency_cap: int = 0) -> bool:
+                     concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool:
         """Generate one group for the job's dispatcher; False if `group_id` was
         submitted before (a retry). The prompt is data: it is tokenised, never run."""
         if not prompt.text or len(prompt.text) > MAX_PROMPT_CHARS:
@@ -147,7 +147,8 @@ class RolloutService:
                              "characters")
         if not 0 <= concurrency_cap <= 1_048_576:
             raise ValueError("concurrency_cap: 0 (unchanged) to 1048576")
-        return self._running_worker_for(job_id).submit_group(group_id, prompt, concurrency_cap)
+        return self._running_worker_for(job_id).submit_group(group_id, prompt, concurrency_cap,
+                                                              bounds)
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
         if not 0 <= wait_s <= MAX_EVENT_WAIT_S or since_seq < 0:

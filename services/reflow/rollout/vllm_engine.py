@@ -131,6 +131,7 @@ class VllmEngine:
 
         params = SamplingParams(
             max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
             temperature=sampling.temperature,
             top_p=1.0,
             top_k=-1,

@@ -338,10 +338,18 @@ class RolloutWorker:
         extra = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
         return self.counters.idle_seconds_total + extra
 
-    def submit_group(self, group_id: str, prompt: Prompt, concurrency_cap: int = 0) -> bool:
+    def submit_group(self, group_id: str, prompt: Prompt, concurrency_cap: int = 0,
+                     bounds: tuple[int, int] | None = None) -> bool:
         """Start generating one GRPO group for `prompt`. Idempotent by `group_id`: a
         group already submitted is not generated again (False). `concurrency_cap` is
-        the cap the dispatcher holds this worker to, for the occupancy measure."""
+        the cap the dispatcher holds this worker to, for the occupancy measure;
+        `bounds` (min_tokens, max_tokens) its responses' lengths (the spec's
+        curriculum stage; None: rollout.max_tokens)."""
+        min_tokens, max_tokens = bounds or (0, self.spec.rollout.max_tokens)
+        if not 0 <= min_tokens <= max_tokens <= self.spec.rollout.longest_response:
+            raise ValueError(f"min_tokens/max_tokens: {min_tokens}/{max_tokens}; need 0 <= "
+                             f"min <= max <= {self.spec.rollout.longest_response} (the spec's "
+                             "longest response)")
         if self.state != "running":
             raise FailedPrecondition(f"rollout worker is {self.state}"
                                      + (f": {self.error}" if self.error else ""))
@@ -358,7 +366,9 @@ class RolloutWorker:
             if concurrency_cap > 0:
                 self.counters.concurrency_cap = concurrency_cap
             self.counters.inflight_samples += self.spec.rollout.group_size
-        self._loop.call_soon_threadsafe(self._start_group, group_id, prompt)
+        sampling = SamplingSpec(max_tokens=max_tokens, min_tokens=min_tokens,
+                                temperature=self.spec.rollout.temperature)
+        self._loop.call_soon_threadsafe(self._start_group, group_id, prompt, sampling)
         return True
 
     def set_standby(self, standby: bool, drain_timeout_s: float = 0.0,
@@ -402,9 +412,9 @@ class RolloutWorker:
                                             self.counters.policy_version, error))
             self._events_cond.notify_all()
 
-    def _start_group(self, group_id: str, prompt: Prompt) -> None:
+    def _start_group(self, group_id: str, prompt: Prompt, sampling: SamplingSpec) -> None:
         self._mark_busy()
-        task = asyncio.create_task(self._run_group(group_id, prompt), name=group_id)
+        task = asyncio.create_task(self._run_group(group_id, prompt, sampling), name=group_id)
         self._group_tasks.add(task)
         task.add_done_callback(self._group_tasks.discard)
 
@@ -434,7 +444,7 @@ class RolloutWorker:
             self.counters.occupancy_seconds_total += (now - last) * min(1.0, running / cap)
             last = now
 
-    async def _run_group(self, group_id: str, prompt: Prompt) -> None:
+    async def _run_group(self, group_id: str, prompt: Prompt, sampling: SamplingSpec) -> None:
         group_size = self.spec.rollout.group_size
         try:
             prompt_ids = self.encode(prompt.text)
@@ -453,7 +463,8 @@ class RolloutWorker:
             self._generating += group_size
             generating = True
             samples = await asyncio.gather(
-                *(self._run_sample(group_id, i, prompt_ids, holding) for i in range(group_size))
+                *(self._run_sample(group_id, i, prompt_ids, holding, sampling)
+                  for i in range(group_size))
             )
             trajectories = self._score(group_id, prompt, prompt_ids, samples)
             # Finished: from here the group goes to the buffer, never back (_hand_back).
@@ -478,15 +489,12 @@ class RolloutWorker:
             self._emit(group_id, -1, error=self.error)
 
     async def _run_sample(self, group_id: str, index: int, prompt_ids: list[int],
-                          holding: list[bool]) -> _Sample:
+                          holding: list[bool], sampling: SamplingSpec) -> _Sample:
         """One sample; its end is an event at once, so the dispatcher frees its
         concurrency slot then, not when the slowest sample of its group ends
         (sample-level streaming, paper §4.1)."""
         request_id = f"{group_id}-{index}"
         sample = _Sample()
-        sampling = SamplingSpec(
-            max_tokens=self.spec.rollout.max_tokens, temperature=self.spec.rollout.temperature
-        )
         try:
             async for delta in self.engine.generate(request_id, prompt_ids, sampling):
                 sample.extend(delta.token_ids, delta.logprobs, self.counters.policy_version)

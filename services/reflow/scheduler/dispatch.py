@@ -58,7 +58,7 @@ class WorkerClient(Protocol):
     InprocRolloutClient)."""
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
-                     concurrency_cap: int = 0) -> bool: ...
+                     concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool: ...
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]: ...
 
@@ -92,7 +92,9 @@ class Dispatcher:
         self.token_admission = spec.scheduler.enabled("token_admission")
         self.concurrency_control = spec.scheduler.enabled("concurrency_control")
         self.controller = ConcurrencyController.from_spec(spec)
-        self.lengths = LengthEstimator(spec.rollout.max_tokens, spec.scheduler.ewma_alpha)
+        self.lengths = LengthEstimator(spec.rollout.longest_response, spec.scheduler.ewma_alpha)
+        # The buffer's published version, as last read: picks the length stage.
+        self.policy_version = 0
         initial_cap = spec.concurrency_cap
         if self.concurrency_control:
             initial_cap = min(max(initial_cap, self.controller.min_cap), self.controller.max_cap)
@@ -237,6 +239,7 @@ class Dispatcher:
             refused = False
             if want >= self.group_size:
                 version = self.replay.stats(self.job_id).policy_version
+                self.policy_version = version
                 got = self.replay.acquire_dispatch(self.job_id, want, self.group_size,
                                                    *self.spec.dispatch_limits(version))
                 refused = got == 0
@@ -299,9 +302,12 @@ class Dispatcher:
 
     def _submit(self, worker: WorkerLoad, group_id: str, prompt: Prompt, cap: int) -> bool:
         client = self.clients[worker.name]
+        # A length curriculum's stage at the published version (rollout.length_schedule).
+        bounds = (self.spec.rollout.response_bounds(self.policy_version)
+                  if self.spec.rollout.length_schedule else None)
         for attempt in range(SUBMIT_ATTEMPTS):
             try:
-                client.submit_group(self.job_id, group_id, prompt, cap)
+                client.submit_group(self.job_id, group_id, prompt, cap, bounds)
                 return True
             except Exception as err:  # noqa: BLE001 - retried, then the worker leaves routing
                 logger.warning("job %s: submit to %s failed (%s), attempt %d", self.job_id,

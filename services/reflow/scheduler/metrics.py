@@ -82,10 +82,13 @@ class SchedulerCollector:
                 groups.add_metric([job_id, name], n)
             for reason, n in snap["placement_recommendations"].items():
                 placement.add_metric([job_id, reason], n)
-            for reason, n in snap.get("rebalances", {}).items():
-                rebalances.add_metric([job_id, reason], n)
-            for direction, n in snap.get("role_flips", {}).items():
-                flips.add_metric([job_id, direction], n)
+            # Every label from zero, so a job's rate() has a series before its first flip.
+            done = snap.get("rebalances", {})
+            for reason in ("more_rollout", "more_trainer"):
+                rebalances.add_metric([job_id, reason], done.get(reason, 0))
+            done = snap.get("role_flips", {})
+            for direction in ("rollout->trainer", "trainer->rollout"):
+                flips.add_metric([job_id, direction], done.get(direction, 0))
         yield from (caps, inflight, tokens, rejections, changes, groups, placement, rebalances,
                     flips)
 

@@ -42,6 +42,12 @@ class TrainerMetrics:
                                      "Replayed share of the last batch.", ["job_id"], registry=r)
         self.staleness = Gauge("reflow_trainer_max_staleness_versions",
                                "Largest policy lag in the last batch.", ["job_id"], registry=r)
+        self.group_replicas = Gauge("reflow_trainer_group_replicas",
+                                    "Trainer replicas the last step ran on (the data-parallel "
+                                    "group, leader included).", ["job_id"], registry=r)
+        self.rollout_workers = Gauge("reflow_trainer_rollout_workers",
+                                     "Rollout workers generating during the last step.",
+                                     ["job_id"], registry=r)
 
     def observe(self, job_id: str, record: dict[str, Any]) -> None:
         self.step_seconds.labels(job_id).observe(record["step_time_s"])
@@ -57,3 +63,5 @@ class TrainerMetrics:
         self.reward.labels(job_id).set(record["reward_mean"])
         self.replay_fraction.labels(job_id).set(record["replay_fraction"])
         self.staleness.labels(job_id).set(record["max_staleness"])
+        self.group_replicas.labels(job_id).set(record.get("trainer_workers", 1))
+        self.rollout_workers.labels(job_id).set(record.get("rollout_workers", 1))

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitGroupRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "prompt_id", "prompt_text", "prompt_answer", "concurrency_cap")
+    __slots__ = ("job_id", "group_id", "prompt_id", "prompt_text", "prompt_answer", "concurrency_cap", "max_tokens", "min_tokens")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ANSWER_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_CAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     prompt_id: str
     prompt_text: str
     prompt_answer: str
     concurrency_cap: int
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_answer: _Optional[str] = ..., concurrency_cap: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    min_tokens: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_answer: _Optional[str] = ..., concurrency_cap: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitGroupReply(_message.Message):
     __slots__ = ("accepted",)

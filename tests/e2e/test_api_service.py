@@ -93,14 +93,28 @@ def test_a_worker_serves_both_the_rollout_and_the_trainer_api(tmp_path):
     with open(tmp_path / "worker.log", "ab") as log:
         worker = _serve("worker", port, {"REFLOW_METRICS_PORT": str(metrics_port)}, log)
         try:
-            for service in ("", "reflow.v1.Rollout", "reflow.v1.Trainer"):
+            for service in ("", "reflow.v1.Rollout", "reflow.v1.Trainer", "reflow.v1.Worker"):
                 rpc.wait_healthy(f"127.0.0.1:{port}", 60, service=service)
+            import grpc
+
             from reflow.rollout.client import GrpcRolloutClient
             from reflow.trainer.client import GrpcTrainerClient
+            from reflow.worker.client import GrpcWorkerClient
 
             assert GrpcTrainerClient(f"127.0.0.1:{port}").status().state == "idle"
             with pytest.raises(Exception, match="no-such-job"):
                 GrpcRolloutClient(f"127.0.0.1:{port}").stats("no-such-job")
+            # The Worker service: no role without a job; bad requests named, not crashes.
+            roles = GrpcWorkerClient(f"127.0.0.1:{port}")
+            assert roles.role("").role == ""
+            with pytest.raises(grpc.RpcError) as bad:
+                roles.set_role("job-1", "critic")
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "role" in bad.value.details()
+            with pytest.raises(grpc.RpcError) as absent:
+                roles.set_role("job-1", "trainer")  # no engine of that job here
+            assert absent.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert GrpcTrainerClient(f"127.0.0.1:{port}").status().state == "idle"
             wait_http(f"http://127.0.0.1:{metrics_port}/metrics", 60)
         finally:
             worker.send_signal(signal.SIGTERM)

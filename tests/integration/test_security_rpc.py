@@ -315,3 +315,57 @@ def test_thirty_two_blocking_rpcs_leave_the_health_check_answering(replay, rollo
             _until(lambda: replay_server.long_call_guard.in_flight == 32)
             assert _health_within(ch, 1.0)
             assert all(not p.result().lease_id for p in polls)
+
+
+def test_elastic_pool_rpcs_are_validated(replay, rollout, tiny_model, tmp_path):
+    """The trainer group's and the length curriculum's fields arrive over the
+    network: a peer that is not host:port, a join outside the group's bounds or
+    from a stale membership, response bounds beyond the spec: refused, named."""
+    from reflow.v1 import trainer_pb2
+
+    from pathlib import Path
+
+    from reflow.core.paths import PathRoots
+
+    replay_address, _ = replay
+    stub, engine, _, _ = rollout
+    trainer = TrainerService(roots=PathRoots(runs=tmp_path, models=Path(tiny_model).parent))
+    server, port = serve_trainer(trainer, "127.0.0.1:0")
+    try:
+        with rpc.channel(f"127.0.0.1:{port}") as ch:
+            stub_t = trainer_pb2_grpc.TrainerStub(ch)
+            spec = _spec_json(tiny_model)
+            for peer in ("http://evil:80/x", "host-without-port", "a:99999", "a b:80"):
+                code, details = _code(lambda: stub_t.StartJob(common_pb2.StartJobRequest(
+                    job_id=JOB, spec_json=spec, replay_address=replay_address,
+                    rollout_addresses=["127.0.0.1:1"], trainer_peers=[peer]), timeout=10))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "trainer_peers" in details
+            # Nothing trains here: a reconfiguration has no loop to go to.
+            code, _ = _code(lambda: stub_t.Reconfigure(trainer_pb2.ReconfigureRequest(
+                job_id=JOB, trainer_peers=["127.0.0.1:2"]), timeout=10))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            # A replica: joins are bounded and ordered by membership epoch.
+            stub_t.StartJob(common_pb2.StartJobRequest(
+                job_id=JOB, spec_json=spec, replay_address=replay_address,
+                leader_host="127.0.0.1"), timeout=30)
+            bad_joins = [dict(master_port=0, rank=1, world_size=2, membership_epoch=1),
+                         dict(master_port=29600, rank=0, world_size=2, membership_epoch=1),
+                         dict(master_port=29600, rank=2, world_size=2, membership_epoch=1),
+                         dict(master_port=29600, rank=1, world_size=5000, membership_epoch=1),
+                         dict(master_port=29600, rank=1, world_size=2, membership_epoch=0)]
+            for join in bad_joins:
+                code, details = _code(lambda: stub_t.JoinGroup(
+                    trainer_pb2.JoinGroupRequest(job_id=JOB, **join), timeout=10))
+                assert code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.FAILED_PRECONDITION), (join, details)
+            _until(lambda: trainer.status(JOB)["state"] == "standby")
+    finally:
+        server.stop(0)
+    # A SubmitGroup asking for responses longer than the spec allows.
+    _start(stub, replay_address, tiny_model)
+    _until(lambda: stub.GetStats(common_pb2.JobRef(job_id=JOB), timeout=5).state == "running")
+    for lo, hi in ((0, 5), (4, 3)):
+        code, details = _code(lambda: stub.SubmitGroup(rollout_pb2.SubmitGroupRequest(
+            job_id=JOB, group_id="g1", prompt_id="p", prompt_text="x", max_tokens=hi,
+            min_tokens=lo), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in details

@@ -5,6 +5,10 @@ from __future__ import annotations
 from reflow.worker.service import RoleStatus
 
 
+def _from_proto(m) -> RoleStatus:
+    return RoleStatus(m.job_id, m.role, m.flips, m.last_flip, m.last_flip_s, m.engine_inflight)
+
+
 class GrpcWorkerClient:
     def __init__(self, address: str, deadline_s: float = 30.0) -> None:
         from reflow import rpc
@@ -23,15 +27,13 @@ class GrpcWorkerClient:
                                                          drain_timeout_s=drain_timeout_s,
                                                          hand_back=hand_back),
                                timeout=drain_timeout_s + self.deadline_s)
-        return RoleStatus(m.job_id, m.role, m.flips, m.last_flip, m.last_flip_s,
-                          m.engine_inflight)
+        return _from_proto(m)
 
     def role(self, job_id: str) -> RoleStatus:
         from reflow.v1 import common_pb2
 
-        m = self._stub.GetRole(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
-        return RoleStatus(m.job_id, m.role, m.flips, m.last_flip, m.last_flip_s,
-                          m.engine_inflight)
+        return _from_proto(self._stub.GetRole(common_pb2.JobRef(job_id=job_id),
+                                              timeout=self.deadline_s))
 
     def close(self) -> None:
         self._channel.close()

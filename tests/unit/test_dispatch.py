@@ -86,7 +86,7 @@ def _spec(**sections):
     return parse_job_spec(base)
 
 
-def _run(spec, engines, budget, until, timeout_s=10.0):
+def _run(spec, engines, budget, until, timeout_s=30.0):
     clients = {}
     for i, engine in enumerate(engines):
         worker = RolloutWorker("j", spec, lambda e=engine: e, build_task("repeat", 8, 3, seed=i),

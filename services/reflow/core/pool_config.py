@@ -1,0 +1,80 @@
+"""The `cluster` section of a job spec: the elastic resource pool (paper §5).
+Part of reflow.core.config's JobSpec; kept apart only for size."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RoleFlip(_Section):
+    """One scheduled role flip of an elastic job (for tests and benchmarks; the
+    adaptive scheduler's placement decides flips in production)."""
+
+    at_step: int = Field(ge=1, le=100_000_000,
+                         description="Requested once the trainer has finished this step; "
+                         "carried out at the next sync boundary.")
+    worker: int = Field(ge=1, le=4095, description="Worker index (0 holds trainer rank 0 "
+                        "and keeps it).")
+    role: Literal["rollout", "trainer"]
+
+
+class ClusterConfig(_Section):
+    """The elastic resource pool (paper §5): AsyncHybrid workers, each holding a
+    warm rollout engine and a warm trainer replica, whose roles move mid-job."""
+
+    workers: int | None = Field(
+        default=None, ge=2, le=4096,
+        description="AsyncHybrid workers for the job. None: one rollout and one trainer "
+        "process with fixed roles.")
+    trainer_workers: int = Field(
+        default=1, ge=1, le=4095,
+        description="Workers in the trainer role at start (the data-parallel group's "
+        "replicas); the rest start as rollout workers.")
+    flips: list[RoleFlip] = Field(
+        default_factory=list, max_length=10_000,
+        description="Role flips requested at given steps, in order.")
+    flip_inflight: Literal["return", "finish"] = Field(
+        default="return",
+        description="A worker leaving rollout: `return` aborts its groups in flight and the "
+        "dispatcher routes them again, with their budget, to the other rollout workers (the "
+        "flip does not wait; their partial tokens are discarded); `finish` lets them end "
+        "into the buffer first (no tokens lost; the flip waits up to one generation).")
+
+    @model_validator(mode="after")
+    def _check_pool(self) -> ClusterConfig:
+        if self.workers is None:
+            # Values, not fields set: a dumped spec carries every default.
+            if self.flips or self.trainer_workers != 1:
+                raise ValueError("cluster.flips and cluster.trainer_workers need "
+                                 "cluster.workers (an elastic pool of at least 2 workers)")
+            return self
+        if self.trainer_workers >= self.workers:
+            raise ValueError(f"cluster.trainer_workers ({self.trainer_workers}) must be below "
+                             f"cluster.workers ({self.workers}): a job needs a rollout worker")
+        roles = ["trainer" if i < self.trainer_workers else "rollout"
+                 for i in range(self.workers)]
+        last_step = 0
+        for i, flip in enumerate(self.flips):
+            where = f"cluster.flips[{i}]"
+            if flip.at_step < last_step:
+                raise ValueError(f"{where}.at_step: flips must be in step order")
+            last_step = flip.at_step
+            if flip.worker >= self.workers:
+                raise ValueError(f"{where}.worker: {flip.worker} is not a worker of this job "
+                                 f"(1 to {self.workers - 1})")
+            if roles[flip.worker] == flip.role:
+                raise ValueError(f"{where}: worker {flip.worker} is already a {flip.role} "
+                                 "worker at that point")
+            roles[flip.worker] = flip.role
+            if "rollout" not in roles:
+                raise ValueError(f"{where}: would leave the job without a rollout worker")
+        return self
+
+    def initial_role(self, worker: int) -> str:
+        return "trainer" if worker < self.trainer_workers else "rollout"

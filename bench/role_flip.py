@@ -26,6 +26,7 @@ table of medians and min-max, warm / cold ratios, and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -114,24 +115,27 @@ def run_job(spec: dict, run_dir: Path) -> dict:
 # --- cold starts ---------------------------------------------------------------------
 
 
-def _spawn_worker(log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    from reflow import procs
+@contextlib.contextmanager
+def _fresh_worker(log_path: Path, env: dict[str, str]):
+    """A new `reflow serve worker` process: yields its address, when it was started
+    and when it answered its health check; ends its process tree after."""
+    from reflow import procs, rpc
 
+    started = time.monotonic()
     port = procs.free_port()
     proc = procs.spawn([sys.executable, "-m", "reflow.cli", "serve", "worker", "--port",
                         str(port)], str(log_path), env=env)
-    return proc, f"127.0.0.1:{port}"
+    try:
+        rpc.wait_healthy(f"127.0.0.1:{port}", 300)
+        yield f"127.0.0.1:{port}", started, time.monotonic()
+    finally:
+        procs.terminate_tree(proc.pid, timeout_s=20)
 
 
 def cold_rollout(spec_json: str, replay_address: str, env: dict, log: Path) -> dict:
-    from reflow import procs, rpc
     from reflow.rollout.client import GrpcRolloutClient
 
-    started = time.monotonic()
-    proc, address = _spawn_worker(log, env)
-    try:
-        rpc.wait_healthy(address, 300)
-        up = time.monotonic()
+    with _fresh_worker(log, env) as (address, started, up):
         client = GrpcRolloutClient(address)
         client.start_job("cold-rollout", spec_json, replay_address, 1, 2, "127.0.0.1")
         while (stats := client.stats("cold-rollout")).state != "running":
@@ -140,8 +144,6 @@ def cold_rollout(spec_json: str, replay_address: str, env: dict, log: Path) -> d
             time.sleep(0.05)
         done = time.monotonic()
         client.close()
-    finally:
-        procs.terminate_tree(proc.pid, timeout_s=20)
     return {"total_s": done - started, "process_s": up - started,
             "engine_startup_s": stats.engine_startup_s}
 
@@ -151,31 +153,26 @@ def cold_trainer(spec, spec_json: str, replay_address: str, env: dict, log: Path
     given the leader's parameters and optimizer state, as a flip would be."""
     import torch
 
-    from reflow import procs, rpc
     from reflow.trainer.client import GrpcTrainerClient
     from reflow.trainer.loop import TrainLoop
 
     leader = TrainLoop("cold-trainer", spec, None, rollouts=[], device=torch.device("cpu"))
     leader.load()
-    started = time.monotonic()
-    proc, address = _spawn_worker(log, env)
     try:
-        rpc.wait_healthy(address, 300)
-        up = time.monotonic()
-        client = GrpcTrainerClient(address)
-        client.start_job("cold-trainer", spec_json, replay_address, [],
-                         leader_host="127.0.0.1")
-        leader.reconfigure([address])
-        leader.apply_membership()
-        while (status := client.status("cold-trainer")).state != "training":
-            if status.state == "failed":
-                raise SystemExit(f"cold trainer start failed: {status.error}")
-            time.sleep(0.05)
-        done = time.monotonic()
-        leader.group.send_command("stop", 0)
-        client.close()
+        with _fresh_worker(log, env) as (address, started, up):
+            client = GrpcTrainerClient(address)
+            client.start_job("cold-trainer", spec_json, replay_address, [],
+                             leader_host="127.0.0.1")
+            leader.reconfigure([address])
+            leader.apply_membership()
+            while (status := client.status("cold-trainer")).state != "training":
+                if status.state == "failed":
+                    raise SystemExit(f"cold trainer start failed: {status.error}")
+                time.sleep(0.05)
+            done = time.monotonic()
+            leader.group.send_command("stop", 0)
+            client.close()
     finally:
-        procs.terminate_tree(proc.pid, timeout_s=20)
         leader.close()
     return {"total_s": done - started, "process_s": up - started,
             "join_s": leader.last_regroup_s}

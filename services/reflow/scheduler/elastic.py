@@ -192,14 +192,10 @@ class ElasticPool:
             # ended each in the buffer, so this is 0 unless something was lost.
             in_flight = self._await_events(address)
             self._set_role(flip.worker, "trainer")
-            status = self._regroup()
-            phases["wait_boundary_s"] = status["wait_s"] - status["regroup_s"]
-            phases["regroup_s"] = status["regroup_s"]
+            status = self._regroup(phases)
         else:
             self._set_role(flip.worker, "rollout")
-            status = self._regroup()
-            phases["wait_boundary_s"] = status["wait_s"] - status["regroup_s"]
-            phases["regroup_s"] = status["regroup_s"]
+            status = self._regroup(phases)
             t = time.monotonic()
             client.set_role(self.job_id, "rollout", 0.0)
             self.dispatcher.set_standby(address, False)
@@ -244,17 +240,18 @@ class ElasticPool:
         with self._lock:
             self.roles[worker] = role
 
-    def _regroup(self) -> dict:
+    def _regroup(self, phases: dict[str, float]) -> dict:
         """Hand the leader the new membership and wait until its group applied it at
-        a sync boundary."""
+        a sync boundary; adds the wait for the boundary and the rebuild to `phases`."""
         started = time.monotonic()
         epoch = self.leader.reconfigure(self.job_id, self.trainer_peers)
         deadline = started + BOUNDARY_TIMEOUT_S
         while not self._stop.is_set():
             status = self.leader.status(self.job_id)
             if status.membership_epoch >= epoch:
-                return {"wait_s": time.monotonic() - started, "regroup_s": status.last_regroup_s,
-                        "group_size": status.group_size, "epoch": status.membership_epoch}
+                phases["regroup_s"] = status.last_regroup_s
+                phases["wait_boundary_s"] = time.monotonic() - started - status.last_regroup_s
+                return {"group_size": status.group_size, "epoch": status.membership_epoch}
             if status.state in ("succeeded", "failed", "stopped"):
                 raise FailedPrecondition(f"the trainer {status.state} before the flip's sync "
                                          "boundary")

@@ -31,33 +31,25 @@ does that) and never creates or deletes pods: the StatefulSet owns them.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from reflow import rpc
 from reflow.core.errors import NoCapacity
+from reflow.scheduler.kube_settings import KubeSettings, parse_selector  # noqa: F401
 from reflow.scheduler.kubeapi import ApiUnavailable, KubeCaller, PodWatch
 from reflow.scheduler.local import Placement, ServiceLog
+from reflow.scheduler.worker_calls import is_busy, stop_and_wait_idle, worker_status
 
 logger = logging.getLogger(__name__)
 
-_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 ROLE_LABEL = "reflow.io/role"
 JOB_LABEL = "reflow.io/job"
 # A role flip in flight: the role a pod is being moved to (phase one of flip_role).
 ROLE_TARGET = "reflow.io/role-target"
 ROLES = ("trainer", "rollout")
-# Worker states in which a job still holds the worker.
-# A worker in any of these states serves a job: an elastic job's engine standing by
-# and trainer replica (loaded, joining or in the group) count as busy too.
-BUSY_STATES = ("starting", "running", "standby", "joining", "training")
 
 
 class NotLeader(RuntimeError):
@@ -66,62 +58,6 @@ class NotLeader(RuntimeError):
 
 class PodNotInJob(RuntimeError):
     """The pod is not (or no longer) one of the job's: another job's, replaced, or gone."""
-
-
-class KubeSettings(BaseModel):
-    """Read from the scheduler pod's environment (the chart sets every one)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    namespace: str = Field(min_length=1, description="REFLOW_NAMESPACE: the release namespace.")
-    worker_selector: str = Field(min_length=3, description="REFLOW_WORKER_SELECTOR: equality "
-                                 "label selector of the worker pods, e.g. 'a=b,c=d'.")
-    worker_port: int = Field(default=50060, ge=1, le=65535,
-                             description="REFLOW_WORKER_PORT: the workers' gRPC port.")
-    replay_address: str = Field(min_length=3, description="REFLOW_REPLAY_ADDRESS: host:port "
-                                "of the replay-buffer service.")
-    max_rollout_workers: int = Field(default=0, ge=0, description="REFLOW_MAX_ROLLOUT_WORKERS: "
-                                     "rollout workers per job; 0 takes every free worker.")
-    health_timeout_s: float = Field(default=600.0, gt=0)
-    request_timeout_s: float = Field(default=10.0, gt=0, le=300,
-                                     description="REFLOW_KUBE_TIMEOUT_S: per API request.")
-    resync_s: float = Field(default=30.0, ge=1, le=3600,
-                            description="REFLOW_KUBE_RESYNC_S: the pod watch relists this often.")
-    worker_rpc_timeout_s: float = Field(default=10.0, gt=0,
-                                        description="Deadline of a worker status call.")
-    stop_timeout_s: float = Field(default=90.0, gt=0,
-                                  description="How long a released worker may take to go idle.")
-    claim_attempts: int = Field(default=5, ge=1, le=100,
-                                description="Placements retried after a lost race, then the "
-                                "job waits PENDING and tries again.")
-
-    @classmethod
-    def from_env(cls) -> "KubeSettings":
-        env = os.environ
-        values: dict = {
-            "namespace": env.get("REFLOW_NAMESPACE", ""),
-            "worker_selector": env.get("REFLOW_WORKER_SELECTOR", ""),
-            "replay_address": env.get("REFLOW_REPLAY_ADDRESS", ""),
-        }
-        for key, name in (("worker_port", "REFLOW_WORKER_PORT"),
-                          ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
-                          ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
-                          ("resync_s", "REFLOW_KUBE_RESYNC_S")):
-            if name in env:
-                values[key] = env[name]
-        return cls(**values)
-
-
-def parse_selector(selector: str) -> dict[str, str]:
-    """Equality-based selectors only (`k=v,k2=v2`): all the chart uses."""
-    out = {}
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        key, sep, value = (part.strip() for part in term.partition("="))
-        if not sep or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
-            raise ValueError(f"worker_selector: {term!r} is not 'key=value' with a valid label "
-                             "key and value (only equality selectors are supported)")
-        out[key] = value
-    return out
 
 
 def _ready(pod) -> bool:
@@ -494,64 +430,24 @@ class KubernetesBackend:
 
     # --- workers ----------------------------------------------------------------------
 
-    def _worker_status(self, address: str) -> tuple[str, str, str]:
-        """(trainer state, rollout state, trainer job) of the worker at `address`."""
-        from reflow.rollout.client import GrpcRolloutClient
-        from reflow.trainer.client import GrpcTrainerClient
-
-        trainer = GrpcTrainerClient(address, deadline_s=self.settings.worker_rpc_timeout_s)
-        rollout = GrpcRolloutClient(address, deadline_s=self.settings.worker_rpc_timeout_s)
-        try:
-            status = trainer.status("")
-            return status.state, rollout.stats("").state, status.job_id
-        finally:
-            trainer.close()
-            rollout.close()
-
     def _worker_idle(self, pod) -> bool:
         """A worker is offered to a job only if both of its services answer idle."""
         address = f"{pod.status.pod_ip}:{self.settings.worker_port}"
         try:
-            trainer_state, rollout_state, _ = self._worker_status(address)
+            trainer_state, rollout_state, _ = worker_status(
+                address, self.settings.worker_rpc_timeout_s)
         except Exception as err:  # noqa: BLE001 - not answering: not offered
             logger.info("worker %s not offered: %s", pod.metadata.name, err)
             return False
-        idle = trainer_state not in BUSY_STATES and rollout_state not in BUSY_STATES
+        idle = not is_busy(trainer_state, rollout_state)
         if not idle:
             logger.warning("worker %s carries no job label but is busy (trainer %s, rollout %s); "
                            "not offered", pod.metadata.name, trainer_state, rollout_state)
         return idle
 
-    def _stop_on_worker(self, address: str, job_id: str) -> None:
-        """Stop `job_id` on both services of a worker; a service not running it is fine."""
-        import grpc
-
-        from reflow.rollout.client import GrpcRolloutClient
-        from reflow.trainer.client import GrpcTrainerClient
-
-        for client_cls in (GrpcTrainerClient, GrpcRolloutClient):
-            client = client_cls(address, deadline_s=self.settings.worker_rpc_timeout_s)
-            try:
-                client.stop_job(job_id, deadline_s=self.settings.stop_timeout_s)
-            except grpc.RpcError as err:
-                if err.code() not in (grpc.StatusCode.NOT_FOUND,
-                                      grpc.StatusCode.FAILED_PRECONDITION):
-                    raise
-            finally:
-                client.close()
-
     def _stop_and_wait_idle(self, name: str, address: str, job_id: str) -> bool:
-        deadline = time.monotonic() + self.settings.stop_timeout_s
-        try:
-            self._stop_on_worker(address, job_id)
-            while time.monotonic() < deadline:
-                trainer_state, rollout_state, _ = self._worker_status(address)
-                if trainer_state not in BUSY_STATES and rollout_state not in BUSY_STATES:
-                    return True
-                time.sleep(0.5)
-        except Exception as err:  # noqa: BLE001 - an unreachable worker is checked at placement
-            logger.warning("worker %s: could not stop job %s: %s", name, job_id, err)
-        return False
+        return stop_and_wait_idle(name, address, job_id, self.settings.worker_rpc_timeout_s,
+                                  self.settings.stop_timeout_s)
 
     def release(self, placement: KubePlacement) -> None:
         """Stop the job on every worker, wait until they report idle, then give the

@@ -112,62 +112,38 @@ class LocalBackend:
     def place(self, job_id: str, run_dir: Path, colocated: bool = False,
               roles: list[str] | None = None) -> Placement:
         """Start the job's services: the replay buffer, and either one rollout and one
-        trainer process or (`roles`, an elastic job) an AsyncHybrid worker per role."""
+        trainer process or (`roles`, an elastic job) an AsyncHybrid worker per role.
+        Each process gets a gRPC and a metrics port, listed in endpoints.json."""
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        # process name -> the service it runs
+        services = {"replay": "replay"}
+        services.update({f"worker-{i}": "worker" for i in range(len(roles))} if roles
+                        else {"rollout": "rollout", "trainer": "trainer"})
+        allocated = procs.free_ports(2 * len(services))
+        ports = dict(zip(services, allocated))
+        metrics_ports = dict(zip(services, allocated[len(services):]))
+        address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
         if roles:
-            return self._place_workers(job_id, run_dir, log_dir, len(roles))
-        names = ("replay", "rollout", "trainer")
-        allocated = procs.free_ports(2 * len(names))
-        ports = dict(zip(names, allocated))
-        placement = Placement(
-            replay_address=f"127.0.0.1:{ports['replay']}",
-            rollout_addresses=[f"127.0.0.1:{ports['rollout']}"],
-            trainer_address=f"127.0.0.1:{ports['trainer']}",
-        )
-        metrics_ports = dict(zip(names, allocated[len(names):]))
+            workers = [address[f"worker-{i}"] for i in range(len(roles))]
+            placement = Placement(address["replay"], rollout_addresses=workers[1:],
+                                  trainer_address=workers[0], worker_addresses=workers,
+                                  worker_names=[f"worker-{i}" for i in range(len(roles))])
+        else:
+            placement = Placement(address["replay"], [address["rollout"]], address["trainer"])
         record_endpoints(run_dir, {
-            name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
-            for name, port in ports.items()
-        })
+            name: {"grpc": address[name], "metrics": f"127.0.0.1:{metrics_ports[name]}"}
+            for name in services})
         try:
-            for name, port in ports.items():
-                placement.processes[name] = self._serve(name, port, metrics_ports[name], log_dir,
-                                                      colocated)
-            for name, port in ports.items():
-                rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
+            for name, service in services.items():
+                placement.processes[name] = self._serve(service, ports[name], metrics_ports[name],
+                                                        log_dir, colocated, log_name=name)
+            for name in services:
+                rpc.wait_healthy(address[name], self.health_timeout_s)
         except Exception:
             self.release(placement)
             raise
         logger.info("job %s placed: %s", job_id,
-                    {n: p.pid for n, p in placement.processes.items()})
-        return placement
-
-    def _place_workers(self, job_id: str, run_dir: Path, log_dir: Path,
-                       workers: int) -> Placement:
-        names = ["replay"] + [f"worker-{i}" for i in range(workers)]
-        allocated = procs.free_ports(2 * len(names))
-        ports = dict(zip(names, allocated))
-        metrics_ports = dict(zip(names, allocated[len(names):]))
-        addresses = [f"127.0.0.1:{ports[f'worker-{i}']}" for i in range(workers)]
-        placement = Placement(replay_address=f"127.0.0.1:{ports['replay']}",
-                              rollout_addresses=addresses[1:], trainer_address=addresses[0],
-                              worker_addresses=addresses,
-                              worker_names=[f"worker-{i}" for i in range(workers)])
-        record_endpoints(run_dir, {
-            name: {"grpc": f"127.0.0.1:{port}", "metrics": f"127.0.0.1:{metrics_ports[name]}"}
-            for name, port in ports.items()})
-        try:
-            for name, port in ports.items():
-                service = "replay" if name == "replay" else "worker"
-                placement.processes[name] = self._serve(service, port, metrics_ports[name],
-                                                        log_dir, log_name=name)
-            for port in ports.values():
-                rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
-        except Exception:
-            self.release(placement)
-            raise
-        logger.info("job %s placed on %d workers: %s", job_id, workers,
                     {n: p.pid for n, p in placement.processes.items()})
         return placement
 

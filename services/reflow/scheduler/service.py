@@ -215,12 +215,11 @@ class Scheduler:
                            relabel=(lambda name, role: flip_label(placement, name, role))
                            if flip_label else None)
 
-    def _start_dispatcher(self, record: JobRecord, placement: Placement,
+    def _start_dispatcher(self, record: JobRecord, spec: JobSpec, placement: Placement,
                           rollouts: list[GrpcRolloutClient], run_dir: Path,
                           standby: set[str] | None = None) -> Dispatcher:
         """The job's one dispatcher (reflow.scheduler.dispatch): its prompt stream,
         seeded once for the job, and every rollout worker to route to."""
-        spec = JobSpec.model_validate_json(record.spec_json)
         task = build_task(spec.task.name, spec.task.max_count, spec.task.num_symbols,
                           seed=spec.seed + 1)
         dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
@@ -248,8 +247,9 @@ class Scheduler:
         run_dir = Path(record.run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.backend.prepare(JobSpec.model_validate_json(record.spec_json))
-            placement = self._place_when_free(record, run_dir, stop)
+            spec = JobSpec.model_validate_json(record.spec_json)
+            self.backend.prepare(spec)
+            placement = self._place_when_free(record, spec, run_dir, stop)
             if placement is None:
                 record.phase, record.reason = "STOPPED", "stopped while waiting for workers"
                 return
@@ -258,7 +258,6 @@ class Scheduler:
             record.phase, record.reason, record.started_at = "RUNNING", "", time.time()
             record.workers = placement.workers
             self.store.save(record)
-            spec = JobSpec.model_validate_json(record.spec_json)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
             # Each rollout engine's place in the trainer's weight-sync group, as the
@@ -274,7 +273,7 @@ class Scheduler:
             trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
                               placement.rollout_addresses, str(run_dir),
                               trainer_peers=pool.trainer_peers if pool else [])
-            dispatcher = self._start_dispatcher(record, placement, rollouts, run_dir,
+            dispatcher = self._start_dispatcher(record, spec, placement, rollouts, run_dir,
                                                 pool.standby_engines if pool else set())
             if pool is not None:
                 pool.dispatcher, pool.record = dispatcher, dispatcher.record
@@ -306,13 +305,12 @@ class Scheduler:
             self.store.save(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
 
-    def _place_when_free(self, record: JobRecord, run_dir: Path,
+    def _place_when_free(self, record: JobRecord, spec: JobSpec, run_dir: Path,
                          stop: threading.Event) -> Placement | None:
         """Place the job, waiting PENDING (the reason says for what) while the
         backend has no room; None when the job is stopped before it gets any."""
         while True:
             try:
-                spec = JobSpec.model_validate_json(record.spec_json)
                 if spec.cluster.workers:
                     roles = [spec.cluster.initial_role(i) for i in range(spec.cluster.workers)]
                     return self.backend.place(record.job_id, run_dir, colocated=spec.colocated,

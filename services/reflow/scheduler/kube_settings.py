@@ -1,0 +1,68 @@
+"""The Kubernetes backend's settings, from the scheduler pod's environment, and
+the worker pods' label selector."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+class KubeSettings(BaseModel):
+    """Read from the scheduler pod's environment (the chart sets every one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(min_length=1, description="REFLOW_NAMESPACE: the release namespace.")
+    worker_selector: str = Field(min_length=3, description="REFLOW_WORKER_SELECTOR: equality "
+                                 "label selector of the worker pods, e.g. 'a=b,c=d'.")
+    worker_port: int = Field(default=50060, ge=1, le=65535,
+                             description="REFLOW_WORKER_PORT: the workers' gRPC port.")
+    replay_address: str = Field(min_length=3, description="REFLOW_REPLAY_ADDRESS: host:port "
+                                "of the replay-buffer service.")
+    max_rollout_workers: int = Field(default=0, ge=0, description="REFLOW_MAX_ROLLOUT_WORKERS: "
+                                     "rollout workers per job; 0 takes every free worker.")
+    health_timeout_s: float = Field(default=600.0, gt=0)
+    request_timeout_s: float = Field(default=10.0, gt=0, le=300,
+                                     description="REFLOW_KUBE_TIMEOUT_S: per API request.")
+    resync_s: float = Field(default=30.0, ge=1, le=3600,
+                            description="REFLOW_KUBE_RESYNC_S: the pod watch relists this often.")
+    worker_rpc_timeout_s: float = Field(default=10.0, gt=0,
+                                        description="Deadline of a worker status call.")
+    stop_timeout_s: float = Field(default=90.0, gt=0,
+                                  description="How long a released worker may take to go idle.")
+    claim_attempts: int = Field(default=5, ge=1, le=100,
+                                description="Placements retried after a lost race, then the "
+                                "job waits PENDING and tries again.")
+
+    @classmethod
+    def from_env(cls) -> "KubeSettings":
+        env = os.environ
+        values: dict = {
+            "namespace": env.get("REFLOW_NAMESPACE", ""),
+            "worker_selector": env.get("REFLOW_WORKER_SELECTOR", ""),
+            "replay_address": env.get("REFLOW_REPLAY_ADDRESS", ""),
+        }
+        for key, name in (("worker_port", "REFLOW_WORKER_PORT"),
+                          ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
+                          ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
+                          ("resync_s", "REFLOW_KUBE_RESYNC_S")):
+            if name in env:
+                values[key] = env[name]
+        return cls(**values)
+
+
+def parse_selector(selector: str) -> dict[str, str]:
+    """Equality-based selectors only (`k=v,k2=v2`): all the chart uses."""
+    out = {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        key, sep, value = (part.strip() for part in term.partition("="))
+        if not sep or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
+            raise ValueError(f"worker_selector: {term!r} is not 'key=value' with a valid label "
+                             "key and value (only equality selectors are supported)")
+        out[key] = value
+    return out

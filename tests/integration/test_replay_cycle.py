@@ -108,3 +108,29 @@ def test_plugins_are_named_by_registry_name_never_by_import_path():
         ReplayConfig(sampler="medium_reward", sampler_args={"low": 0.9, "high": 0.1})
     with pytest.raises(ValueError, match="replay.filter_args.max_uses"):
         ReplayConfig(replay_filter="max_use_count", filter_args={"max_uses": 0})
+
+
+def straggler_group(gid):
+    """A GRPO group dispatched at version 0: three members finished under it, the
+    fourth was partially rolled out across two weight updates (segments 0, 1, 2)."""
+    members = group(gid, size=3, version=0)
+    return members + [Trajectory(f"{gid}-3", gid, [1], [2, 3, 4], [-0.5] * 3, [1] * 3,
+                                 [Segment(0, 1), Segment(1, 1), Segment(2, 1)],
+                                 reward=1.0, advantage=0.5)]
+
+
+@pytest.mark.parametrize("reference, evicted", [("oldest", 4), ("newest", 4), ("completed", 0)])
+def test_the_staleness_reference_decides_whether_a_straggler_condemns_its_group(
+        store, reference, evicted):
+    """δ = 1 at version 2: by `oldest` (and by `newest`, whose group version is its
+    earliest-finished member's) the group is version 0 and arrives too stale; by
+    `completed` it is version 2, the version its last member finished under."""
+    store.configure("j", ReplayConfig(max_staleness=1, staleness_version=reference))
+    store.publish_version("j", 2)
+    assert store.put("j", straggler_group("g")) == 4
+    stats = store.stats("j")
+    assert (stats.evicted_total, stats.unused_samples) == (evicted, 4 - evicted)
+    if not evicted:
+        # It then ages from version 2: still there at 3, evicted at 4.
+        assert store.publish_version("j", 3) == 0
+        assert store.publish_version("j", 4) == 4

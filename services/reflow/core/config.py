@@ -224,12 +224,18 @@ class ReplayConfig(_Section):
         "fully_async trainer (`async_training.staleness_threshold`) and AReaL "
         "(`max_head_offpolicyness`) bound staleness.",
     )
-    staleness_version: Literal["oldest", "newest"] = Field(
+    staleness_version: Literal["oldest", "newest", "completed"] = Field(
         default="oldest",
-        description="Which version a partially rolled-out sample (segments generated under "
-        "several versions) counts as for δ: `oldest` segment (its true lag, conservative) or "
-        "`newest` (the version that finished it, as AReaL counts a sample's version). The "
-        "paper leaves this open; `reflow bench modes` measures both.",
+        description="Which version a GRPO group counts as for δ when its samples were "
+        "generated across weight updates (partial rollout). `oldest`: its members' oldest "
+        "segment (every sample's true lag stays within δ; conservative). `newest`: each "
+        "member's newest segment (the version that finished it, as AReaL counts a sample's "
+        "version), the group taking its earliest-finished member's. `completed`: the version "
+        "current when the group's last sample finished, reading the paper's 'samples "
+        "generated in the recent δ steps' (§4.2) as finished within them; a long straggler "
+        "then no longer condemns its whole group, and a member's true lag may exceed δ "
+        "(the trainer's staleness metrics always count from the oldest segment). The paper "
+        "leaves this open; `reflow bench modes` measures each.",
     )
     sampler: str = Field(
         default="uniform",

@@ -67,8 +67,19 @@ class Trajectory:
 
     def staleness_version(self, reference: str) -> int:
         """The version δ is measured from: `oldest` or `newest` segment
-        (ReplayConfig.staleness_version)."""
-        return self.newest_version if reference == "newest" else self.oldest_version
+        (ReplayConfig.staleness_version; `completed` is a group's property, see
+        `group_staleness_version`)."""
+        return self.newest_version if reference in ("newest", "completed") else self.oldest_version
+
+
+def group_staleness_version(members: list[Trajectory], reference: str) -> int:
+    """The version δ is measured from for a whole GRPO group, which enters, is
+    trained, replayed and evicted as one (ReplayConfig.staleness_version):
+    `oldest` and `newest` take the group's earliest member by that reference, so
+    every member is within δ by it; `completed` takes the version current when the
+    group's last member finished."""
+    versions = [t.staleness_version(reference) for t in members]
+    return max(versions) if reference == "completed" else min(versions)
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import redis
 
 from reflow.core.config import ReplayConfig, check_job_id
-from reflow.core.types import Batch, Trajectory
+from reflow.core.types import Batch, Trajectory, group_staleness_version
 from reflow.replay import scripts
 from reflow.replay.plugins import (
     GroupInfo, ReplayFilter, SampleInfo, Sampler, load_filter, load_sampler,
@@ -192,8 +192,8 @@ class ReplayStore:
                           "stats", "version", "sample_meta")
         pipe = self.redis.pipeline(transaction=False)
         for group_id, members in groups.items():
-            # The group's version for δ: its oldest member's, by the configured reference.
-            oldest = min(t.staleness_version(config.staleness_version) for t in members)
+            # The group's version for δ, by the configured reference.
+            oldest = group_staleness_version(members, config.staleness_version)
             meta = _meta(len(members), sum(t.reward for t in members) / len(members), oldest, 0,
                          sum(t.num_tokens for t in members), min(t.created_at for t in members))
             args: list[str | bytes | int] = [group_id, meta, oldest, delta, len(members)]

@@ -49,7 +49,7 @@ JOBS = {
 }
 
 
-def job_spec(model: str, flips: bool) -> dict:
+def job_spec(model: str, flips: bool, state_handoff: str = "auto") -> dict:
     job = JOBS[model]
     spec = {
         "name": f"flip-{'on' if flips else 'off'}", "mode": "reflow", "seed": 0,
@@ -61,7 +61,8 @@ def job_spec(model: str, flips: bool) -> dict:
                     "learning_rate": 0.001},
         "replay": {"replay_cap": 0.5, "replay_weight": 0.5, "max_staleness": 1},
         "scheduler": {"placement": False},
-        "cluster": {"workers": 3, "trainer_workers": 1, "flips": []},
+        "cluster": {"workers": 3, "trainer_workers": 1, "flips": [],
+                    "state_handoff": state_handoff},
     }
     if flips:
         every = job["flip_every"]
@@ -158,6 +159,9 @@ def cold_trainer(spec, spec_json: str, replay_address: str, env: dict, log: Path
 
     leader = TrainLoop("cold-trainer", spec, None, rollouts=[], device=torch.device("cpu"))
     leader.load()
+    # As a running job's leader holds it (TrainLoop.run): same-host shared memory
+    # under cluster.state_handoff auto.
+    leader.share_state()
     try:
         with _fresh_worker(log, env) as (address, started, up):
             client = GrpcTrainerClient(address)
@@ -173,9 +177,10 @@ def cold_trainer(spec, spec_json: str, replay_address: str, env: dict, log: Path
             leader.group.send_command("stop", 0)
             client.close()
     finally:
+        leader.unshare_state()
         leader.close()
     return {"total_s": done - started, "process_s": up - started,
-            "join_s": leader.last_regroup_s}
+            "join_s": leader.last_regroup_s, "state_handoff": leader.last_handoff}
 
 
 # --- summary -------------------------------------------------------------------------
@@ -195,13 +200,15 @@ def summarize(model: str, rounds: list[dict]) -> dict:
     warm = {d: {"flip_s": spread([f["flip_s"] for f in fs]),
                 "wait_boundary_s": spread([f["wait_boundary_s"] for f in fs]),
                 "drain_s": spread([f.get("drain_s", 0.0) for f in fs]),
-                "regroup_s": spread([f["regroup_s"] for f in fs])}
+                "regroup_s": spread([f["regroup_s"] for f in fs]),
+                "state_handoff": sorted({f.get("state_handoff", "") for f in fs} - {""})}
             for d, fs in by_direction.items()}
     cold = {"rollout": spread([r["cold_rollout"]["total_s"] for r in rounds]),
             "trainer": spread([r["cold_trainer"]["total_s"] for r in rounds]),
             "rollout_engine_startup_s": spread([r["cold_rollout"]["engine_startup_s"]
                                                 for r in rounds]),
-            "trainer_join_s": spread([r["cold_trainer"]["join_s"] for r in rounds])}
+            "trainer_join_s": spread([r["cold_trainer"]["join_s"] for r in rounds]),
+            "trainer_state_handoff": sorted({r["cold_trainer"]["state_handoff"] for r in rounds})}
     # Warm flip into a role against a cold start of that role.
     ratio = {"trainer->rollout": warm["trainer->rollout"]["flip_s"]["median"]
              / cold["rollout"]["median"],
@@ -231,6 +238,8 @@ def print_table(results: dict) -> None:
         for d, role in (("trainer->rollout", "rollout"), ("rollout->trainer", "trainer")):
             print(f"  {d:<18} {_fmt(r['warm'][d]['flip_s']):<24} "
                   f"{_fmt(r['cold'][role]):<24} {r['warm_over_cold'][d]:.3f}")
+        print(f"  state to the new replica by {r['warm']['rollout->trainer']['state_handoff']} "
+              f"(warm), {r['cold']['trainer_state_handoff']} (cold)")
         print(f"  drain (rollout->trainer) {_fmt(r['warm']['rollout->trainer']['drain_s'])}; "
               f"wait for the sync boundary {_fmt(r['warm']['rollout->trainer']['wait_boundary_s'])}")
         print(f"  final reward with flips {_fmt(r['final_reward_with_flips'])}, without "
@@ -245,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="tiny-qwen3,small-qwen3")
+    parser.add_argument("--state-handoff", default="auto", choices=("auto", "broadcast"),
+                        help="cluster.state_handoff of every job and cold join: auto (same-host "
+                        "shared memory on CPU) or broadcast (over the gloo group)")
     args = parser.parse_args(argv)
     from reflow import procs, rpc
     from reflow.core.config import parse_job_spec
@@ -267,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         rpc.wait_healthy(f"127.0.0.1:{replay_port}", 120)
         for round_ in range(1, args.rounds + 1):
             for model in models:
-                spec = job_spec(model, flips=False)
+                spec = job_spec(model, flips=False, state_handoff=args.state_handoff)
                 parsed = parse_job_spec(spec)
                 spec_json = parsed.model_dump_json()
                 replay_address = f"127.0.0.1:{replay_port}"
                 entry = {
-                    "flips_on": run_job(job_spec(model, True), work / f"{model}-flips-{round_}"),
+                    "flips_on": run_job(job_spec(model, True, args.state_handoff),
+                                        work / f"{model}-flips-{round_}"),
                     "flips_off": run_job(spec, work / f"{model}-noflips-{round_}"),
                     "cold_rollout": cold_rollout(spec_json, replay_address, env,
                                                  work / f"{model}-cold-rollout-{round_}.log"),

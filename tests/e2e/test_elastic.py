@@ -114,6 +114,9 @@ def test_roles_flip_both_ways_during_a_run_and_nothing_is_lost(tmp_path, tiny_mo
         if flip["to"] == "trainer":
             assert flip["samples_in_flight"] == 0  # drained into the buffer, not cut
             assert flip["trainer_group_size"] == 2
+            # Worker processes on one host: the replica copied the leader's state
+            # out of its shared memory (trainer/handoff.py), no broadcast needed.
+            assert flip["state_handoff"] == "shared_memory", flip
         else:
             assert flip["trainer_group_size"] == 1
 

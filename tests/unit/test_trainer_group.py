@@ -3,6 +3,7 @@ batch over a real gloo group take the single trainer's step, keep identical
 weights after every step, and a replica that joins later receives the leader's
 parameters and optimizer state."""
 
+import os
 import threading
 
 import pytest
@@ -148,3 +149,99 @@ def test_join_is_validated(tiny_model):
         replica.join(1234, 0, 2, 1)
     with pytest.raises(Exception, match="membership_epoch"):
         replica.join(1234, 1, 2, 0)
+
+
+def _elastic_spec(tiny_model, handoff="auto"):
+    return parse_job_spec({"model": {"path": tiny_model}, "trainer": {"max_grad_norm": 1e6},
+                           "cluster": {"workers": 2, "state_handoff": handoff}})
+
+
+def _assert_same_state(leader, replica):
+    for p, q in zip(leader.model.parameters(), replica.loop.model.parameters()):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(leader.optimizer.state[p][key], replica.loop.optimizer.state[q][key])
+
+
+def _in_shared_file(leader, tensor):
+    base = leader.shared_state.views[0].data_ptr()
+    return base <= tensor.data_ptr() < base + leader.shared_state.size
+
+
+def test_a_replica_on_the_leaders_host_copies_the_state_from_shared_memory(tiny_model):
+    """On CPU an elastic job's leader trains with its parameters and AdamW state in
+    a memfd; a joining replica on the same host copies them from there instead of
+    receiving a broadcast, and the group then trains identically."""
+    spec = _elastic_spec(tiny_model)
+    leader = _leader(spec)
+    expected = _leader(spec)  # the same steps, with private state
+    leader.share_state()
+    assert leader.shared_state is not None
+    for _ in range(2):
+        _step(leader, _trajectories(8, vocab=20))
+        _step(expected, _trajectories(8, vocab=20))
+    # The optimizer updated the shared file in place: it holds the current state.
+    for p, q in zip(leader.model.parameters(), expected.model.parameters()):
+        assert _in_shared_file(leader, p) and _in_shared_file(leader, leader.optimizer.state[p]["exp_avg"])
+        assert torch.equal(p, q)
+    late = _replica(spec, "replica-c:1")
+    leader.reconfigure(["replica-c:1"])
+    leader.apply_membership()
+    assert leader.last_handoff == "shared_memory"
+    _wait(lambda: late.state == "training")
+    _assert_same_state(leader, late)
+    _step(leader, _trajectories(8, vocab=20))
+    _wait(lambda: late.steps_trained == 1)
+    _assert_same_state(leader, late)
+    leader.group.send_command("stop", leader.step)
+    _wait(lambda: late.state == "succeeded")
+    # At the end the state goes back to private memory, values unchanged.
+    before = _params(leader.model)
+    leader.unshare_state()
+    assert leader.shared_state is None
+    for name, p in leader.model.named_parameters():
+        assert torch.equal(p, before[name])
+
+
+@pytest.mark.parametrize("tamper", ["token", "pid", "layout", "off"])
+def test_a_hand_off_that_does_not_check_out_falls_back_to_the_broadcast(tiny_model, monkeypatch,
+                                                                         tamper):
+    """Another process's file, a wrong token or another model's layout: the replica
+    copies nothing from it, and the whole group takes the broadcast instead."""
+    from dataclasses import replace
+
+    from reflow.trainer import handoff
+
+    spec = _elastic_spec(tiny_model, "broadcast" if tamper == "off" else "auto")
+    leader = _leader(spec)
+    leader.share_state()
+    assert (leader.shared_state is None) == (tamper == "off")
+    _step(leader, _trajectories(8, vocab=20))
+    if tamper != "off":
+        real = leader.shared_state.descriptor()
+        wrong = {"token": replace(real, token="0" * 32),
+                 "pid": replace(real, pid=os.getppid()),
+                 "layout": replace(real, layout="f" * 64)}[tamper]
+        monkeypatch.setattr(handoff.SharedState, "descriptor", lambda self: wrong)
+    late = _replica(spec, f"replica-{tamper}:1")
+    leader.reconfigure([f"replica-{tamper}:1"])
+    leader.apply_membership()
+    assert leader.last_handoff == "broadcast"
+    _wait(lambda: late.state == "training")
+    _assert_same_state(leader, late)
+    leader.group.send_command("stop", leader.step)
+    _wait(lambda: late.state == "succeeded")
+    leader.unshare_state()
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"[]", b'{"pid": 1}', b"x" * 5000,
+    b'{"pid": "1", "fd": 3, "size": 10, "token": "' + b"0" * 32 + b'", "layout": "' + b"0" * 64 + b'"}',
+    b'{"pid": 1, "fd": 3, "size": 10, "token": "../etc/passwd", "layout": "' + b"0" * 64 + b'"}',
+    b'{"pid": -1, "fd": 3, "size": 10, "token": "' + b"0" * 32 + b'", "layout": "' + b"0" * 64 + b'"}',
+])
+def test_hand_off_descriptors_are_validated(raw):
+    from reflow.trainer.handoff import Descriptor
+
+    with pytest.raises(ValueError):
+        Descriptor.decode(raw)

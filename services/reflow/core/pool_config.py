@@ -46,6 +46,13 @@ class ClusterConfig(_Section):
         "flip does not wait; their partial tokens are discarded); `finish` lets them end "
         "into the buffer first (no tokens lost; the flip waits up to one generation).")
 
+    state_handoff: Literal["auto", "broadcast"] = Field(
+        default="auto",
+        description="How a replica joining the trainer group receives the leader's "
+        "parameters and optimizer state. `auto`: on CPU, replicas on the leader's host copy "
+        "them from the leader's shared memory, the others (and every GPU replica) receive a "
+        "broadcast over the group; `broadcast`: always the broadcast.")
+
     @model_validator(mode="after")
     def _check_pool(self) -> ClusterConfig:
         if self.workers is None:

@@ -223,6 +223,8 @@ class ElasticPool:
                      "flip_s": round(total - phases["wait_boundary_s"], 3),
                      "total_s": round(total, 3), "trainer_group_size": status["group_size"],
                      "membership_epoch": status["epoch"],
+                     **({"state_handoff": status["state_handoff"]}
+                        if status["state_handoff"] else {}),
                      **({"samples_in_flight": in_flight,
                          "returned_groups": self.dispatcher.returned_groups - returned_before}
                         if flip.role == "trainer" else {})})
@@ -251,7 +253,8 @@ class ElasticPool:
             if status.membership_epoch >= epoch:
                 phases["regroup_s"] = status.last_regroup_s
                 phases["wait_boundary_s"] = time.monotonic() - started - status.last_regroup_s
-                return {"group_size": status.group_size, "epoch": status.membership_epoch}
+                return {"group_size": status.group_size, "epoch": status.membership_epoch,
+                        "state_handoff": status.last_state_handoff}
             if status.state in ("succeeded", "failed", "stopped"):
                 raise FailedPrecondition(f"the trainer {status.state} before the flip's sync "
                                          "boundary")

@@ -22,6 +22,7 @@ class TrainerStatus:
     group_size: int = 1
     membership_epoch: int = 0
     last_regroup_s: float = 0.0
+    last_state_handoff: str = ""
 
 
 class GrpcTrainerClient:
@@ -61,7 +62,8 @@ class GrpcTrainerClient:
         return TrainerStatus(m.job_id, m.state, m.step, m.policy_version,
                              json.loads(m.last_metrics_json or "{}"), m.error,
                              [json.loads(r) for r in m.metrics_json],
-                             m.group_size, m.membership_epoch, m.last_regroup_s)
+                             m.group_size, m.membership_epoch, m.last_regroup_s,
+                             m.last_state_handoff)
 
     def reconfigure(self, job_id: str, trainer_peers: list[str]) -> int:
         """Leader: the group's next replicas; returns the epoch they take effect as."""

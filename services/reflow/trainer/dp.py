@@ -19,14 +19,18 @@ protobuf encoding: data, never code.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from reflow.core.types import Trajectory
+from reflow.trainer.handoff import Descriptor, SharedState, copy_from_leader, state_tensors
 from reflow.weightsync import SyncGroup, make_group
 from reflow.wire import trajectory_from_bytes, trajectory_to_bytes
+
+logger = logging.getLogger(__name__)
 
 # Flattened all-reduce buckets (bytes): large enough to amortise a collective's
 # latency, small enough not to double a big model's gradient memory.
@@ -45,32 +49,6 @@ def shard_indices(lengths: list[int], rank: int, world_size: int) -> list[int]:
         raise ValueError(f"rank {rank} is outside a group of {world_size}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return sorted(order[rank::world_size])
-
-
-def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's per-parameter state where the optimizer has not yet made it,
-    with the values its first step would start from (step 0, zero moments), so
-    that every replica has the same tensors to broadcast into."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Parameters then optimizer state, in an order every replica agrees on."""
-    materialise_optimizer_state(optimizer)
-    out = [p.data for p in model.parameters()]
-    for p in model.parameters():
-        state = optimizer.state[p]
-        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-    return out
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -118,13 +96,15 @@ class TrainerGroup:
         self.sync.group.allreduce([tensor], opts).wait()
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        # On the group's device: NCCL moves CUDA tensors only.
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
+                            device=self.device)
         self._broadcast(size)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-               else torch.empty(int(size.item()), dtype=torch.uint8))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data
+               else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         if buf.numel():
             self._broadcast(buf)
-        return buf.numpy().tobytes()
+        return buf.cpu().numpy().tobytes()
 
     # --- commands ---------------------------------------------------------------------
 
@@ -153,12 +133,36 @@ class TrainerGroup:
                 offset += n
         return str(header["op"]), int(header.get("step", 0)), trajectories
 
+    def transfer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       shared: SharedState | None = None) -> str:
+        """Every rank: bring the replicas to rank 0's parameters and optimizer state.
+        Rank 0 offers its same-host shared state (`shared`, handoff.py); when every
+        replica could copy from it, that is all, otherwise the state is broadcast.
+        Returns how: `shared_memory` or `broadcast`."""
+        offer = shared.descriptor().encode() if self.rank == 0 and shared else b""
+        raw = self._broadcast_bytes(offer if self.rank == 0 else None)
+        copied = bool(raw)
+        if self.rank and raw:
+            try:
+                copy_from_leader(Descriptor.decode(raw), state_tensors(model, optimizer))
+            except (OSError, ValueError) as err:
+                logger.info("trainer group: no same-host state hand-off (%s); broadcasting", err)
+                copied = False
+        everyone = torch.tensor([1 if copied else 0], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.sync.group.allreduce([everyone], opts).wait()
+        if int(everyone.item()) == 1:
+            return "shared_memory"
+        self.broadcast_state(model, optimizer)
+        return "broadcast"
+
     def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Rank 0's parameters and optimizer state to every rank, in flat buckets
         (one collective per bucket, not per tensor); returns bytes."""
         sent = 0
         with torch.no_grad():
-            for bucket in _buckets(_state_tensors(model, optimizer), STATE_BUCKET_BYTES):
+            for bucket in _buckets(state_tensors(model, optimizer), STATE_BUCKET_BYTES):
                 numel = sum(t.numel() for t in bucket)
                 if self.rank == 0:
                     flat = torch.cat([t.reshape(-1) for t in bucket]).to(self.device)

@@ -31,6 +31,7 @@ from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.handoff import SharedState
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
 from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
                                send_weights, specs_of)
@@ -86,6 +87,10 @@ class TrainLoop:
         self._pending_peers: list[str] | None = None
         self._membership_lock = threading.Lock()
         self._trainer_client_factory = trainer_client_factory
+        # The leader's state in same-host shared memory (trainer/handoff.py), while
+        # this job may have replicas.
+        self.shared_state: SharedState | None = None
+        self.last_handoff = ""
 
     def stop(self) -> None:
         self._stop.set()
@@ -181,6 +186,7 @@ class TrainLoop:
         if self.group is not None:
             self.group.send_command("regroup", self.step)
             self.group = None
+        self.last_handoff = ""
         if peers:
             from reflow.trainer.client import GrpcTrainerClient
 
@@ -193,13 +199,15 @@ class TrainLoop:
                                        self.device, self.group_timeout_s)
             for f in joins:
                 f.result()
-            group.broadcast_state(self.model, self.optimizer)
+            self.last_handoff = group.transfer_state(self.model, self.optimizer,
+                                                     self.shared_state)
             self.group = group
         with self._membership_lock:
             self.peers, self.membership_epoch = peers, epoch
         self.last_regroup_s = time.monotonic() - started
-        logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs)", self.job_id, epoch,
-                    1 + len(peers), self.last_regroup_s)
+        logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
+                    1 + len(peers), self.last_regroup_s,
+                    f", state by {self.last_handoff}" if peers else "")
 
     @property
     def group_size(self) -> int:
@@ -207,7 +215,31 @@ class TrainLoop:
 
     # --- the loop -----------------------------------------------------------------
 
+    def share_state(self) -> None:
+        """Move this leader's state into same-host shared memory (handoff.py), so a
+        replica joining on this host copies it instead of receiving a broadcast:
+        for an elastic job on CPU with `cluster.state_handoff: auto`."""
+        cluster = self.spec.cluster
+        if (self.shared_state is None and cluster.workers is not None
+                and cluster.state_handoff == "auto" and self.device.type == "cpu"):
+            try:
+                self.shared_state = SharedState.share(self.model, self.optimizer)
+            except OSError as err:  # no memfd here: joiners receive the broadcast
+                logger.warning("job %s: trainer state stays private (%s)", self.job_id, err)
+
+    def unshare_state(self) -> None:
+        if self.shared_state is not None:
+            self.shared_state.close(self.model, self.optimizer)
+            self.shared_state = None
+
     def run(self) -> None:
+        self.share_state()
+        try:
+            self._run()
+        finally:
+            self.unshare_state()
+
+    def _run(self) -> None:
         start = time.monotonic()
         self.apply_membership()  # the replicas the job starts with
         rollout_before = self._rollout_totals()

@@ -86,9 +86,9 @@ class TrainerReplica:
             group = TrainerGroup.build(self.leader_host, master_port, rank, world_size, epoch,
                                        loop.device, loop.group_timeout_s)
             started = time.monotonic()
-            group.broadcast_state(loop.model, loop.optimizer)
-            logger.info("job %s: replica rank %d/%d of epoch %d, state received in %.2fs",
-                        self.job_id, rank, world_size, epoch, time.monotonic() - started)
+            how = group.transfer_state(loop.model, loop.optimizer)
+            logger.info("job %s: replica rank %d/%d of epoch %d, state received by %s in %.2fs",
+                        self.job_id, rank, world_size, epoch, how, time.monotonic() - started)
             if self._stop.is_set():
                 return
             self.state = "training"

@@ -44,7 +44,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             last_metrics_json=json.dumps(s["last_metrics"]), error=s["error"],
             metrics_json=[json.dumps(r) for r in s["metrics"]],
             group_size=s["group_size"], membership_epoch=s["membership_epoch"],
-            last_regroup_s=s["last_regroup_s"],
+            last_regroup_s=s["last_regroup_s"], last_state_handoff=s["last_state_handoff"],
         )
 
     def Reconfigure(self, request, context):

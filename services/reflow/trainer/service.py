@@ -173,12 +173,13 @@ class TrainerService:
             return {"job_id": self.job_id, "state": replica.state, "step": replica.step,
                     "policy_version": 0, "last_metrics": {}, "error": replica.error,
                     "metrics": [], "group_size": 0, "membership_epoch": replica.epoch,
-                    "last_regroup_s": 0.0}
+                    "last_regroup_s": 0.0, "last_state_handoff": ""}
         loop = self.loop
         return {
             "group_size": loop.group_size if loop else 1,
             "membership_epoch": loop.membership_epoch if loop else 0,
             "last_regroup_s": loop.last_regroup_s if loop else 0.0,
+            "last_state_handoff": loop.last_handoff if loop else "",
             "job_id": self.job_id,
             "state": self.state,
             "step": loop.step if loop else 0,

@@ -44,7 +44,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., since_step: _Optional[int] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("job_id", "state", "step", "policy_version", "last_metrics_json", "error", "metrics_json", "group_size", "membership_epoch", "last_regroup_s")
+    __slots__ = ("job_id", "state", "step", "policy_version", "last_metrics_json", "error", "metrics_json", "group_size", "membership_epoch", "last_regroup_s", "last_state_handoff")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class TrainerStatus(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_REGROUP_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     step: int
@@ -65,4 +66,5 @@ class TrainerStatus(_message.Message):
     group_size: int
     membership_epoch: int
     last_regroup_s: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., last_metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., metrics_json: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., last_regroup_s: _Optional[float] = ...) -> None: ...
+    last_state_handoff: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., last_metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., metrics_json: _Optional[_Iterable[str]] = ..., group_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., last_regroup_s: _Optional[float] = ..., last_state_handoff: _Optional[str] = ...) -> None: ...

@@ -124,7 +124,10 @@ def test_a_late_joiner_receives_parameters_and_optimizer_state(tiny_model):
     for _ in range(2):
         _step(leader, _trajectories(8, vocab=20))
     late = _replica(spec, "replica-b:1")
-    assert not late.loop.optimizer.state  # never stepped
+    # Warm: AdamW's state allocated at load, as a never-stepped optimizer's (step 0, zeros).
+    for q in late.loop.model.parameters():
+        state = late.loop.optimizer.state[q]
+        assert state["step"].item() == 0 and not state["exp_avg"].any()
     leader.reconfigure(["replica-b:1"])
     leader.apply_membership()
     _wait(lambda: late.state == "training")

@@ -18,8 +18,8 @@ GPU systems use between processes of one node.
 The leader names the file by its process id and descriptor number; nothing
 else it sends is opened. A replica checks before it copies that the path is
 /proc/<pid>/fd/<fd>, that it is a memfd of this kind owned by its own user,
-of the announced size, holding the announced random token and the layout
-(names, dtypes, shapes) its own model has. Any mismatch (another host,
+of the announced size, holding the announced random token, and that the
+layout (every tensor's dtype and shape, in order) is its own model's. Any mismatch (another host,
 another PID namespace, another model) falls back to the broadcast.
 """
 

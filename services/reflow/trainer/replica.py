@@ -20,6 +20,7 @@ import torch
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
 from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.handoff import materialise_optimizer_state
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.step import compute_step
 
@@ -48,6 +49,9 @@ class TrainerReplica:
     def load(self) -> None:
         try:
             self.loop.load()
+            # Warm means allocated: AdamW's moments exist (zeros) from the start, so a
+            # flip only copies into memory the replica already holds.
+            materialise_optimizer_state(self.loop.optimizer)
             with self._lock:
                 if self.state == "starting":
                     self.state = "standby"

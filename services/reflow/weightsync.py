@@ -281,6 +281,46 @@ def worker_receive_weights(self) -> float:
     return time.perf_counter() - start
 
 
+def worker_release_kv_cache(self) -> dict[str, int]:
+    """Hand the pages of this worker's KV cache back to the OS (madvise
+    MADV_DONTNEED on private memory): they read as zeros when touched again, which
+    attention never reads before writing. CPU only; on GPU vLLM's sleep mode is the
+    mechanism, not this. Returns bytes released and this process's RSS around it."""
+    import ctypes
+    import mmap
+
+    import psutil
+
+    rss_before = psutil.Process().memory_info().rss
+    if next(self.model_runner.get_model().parameters()).device.type != "cpu":
+        return {"released": 0, "rss_before": rss_before, "rss_after": rss_before}
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, released, seen = mmap.PAGESIZE, 0, set()
+    for tensor in _flat_tensors(self.model_runner.kv_caches):
+        storage = tensor.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if start in seen:
+            continue
+        seen.add(start)
+        # Whole pages inside the storage only: a neighbour may share the edges.
+        first, last = -(-start // page) * page, (start + size) // page * page
+        if last > first and libc.madvise(first, last - first, 4) == 0:  # MADV_DONTNEED
+            released += last - first
+    return {"released": released, "rss_before": rss_before,
+            "rss_after": psutil.Process().memory_info().rss}
+
+
+def _flat_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _flat_tensors(v)]
+    return []
+
+
 def _refresh_tied_lm_head(model, specs: list[TensorSpec]) -> None:
     """With tied embeddings the checkpoint has no lm_head weight, so the in-place
     reload never re-processes the lm_head layer. On CPU that layer keeps a GEMM

@@ -144,4 +144,8 @@ class GenerationEngine(Protocol):
     async def receive_weights(self) -> float:
         """Take part in one weight broadcast and load it; returns seconds taken."""
 
+    # Optional: `async def release_memory(self) -> dict[str, int]` hands an idle
+    # engine's KV cache memory back to the host (a worker going to standby,
+    # paper §5); engines without it keep their memory.
+
     def shutdown(self) -> None: ...

@@ -189,5 +189,21 @@ class VllmEngine:
         results = await self._engine.collective_rpc(worker_receive_weights)
         return float(max(results))
 
+    async def release_memory(self) -> dict[str, int]:
+        """Standby (paper §5): give the KV cache's memory back. On CPU vLLM has no
+        sleep mode (it logs and ignores `sleep`), so its workers drop the cache's
+        pages (weightsync.worker_release_kv_cache); the prefix cache is reset first,
+        since the cached blocks' contents go. Weights stay, so the engine keeps
+        loading published versions and admits again without a reload. Returns
+        bytes released and the engine process's resident memory before and after,
+        summed over its workers."""
+        from reflow.weightsync import worker_release_kv_cache
+
+        if not await self._engine.reset_prefix_cache():
+            # A request still holds blocks: dropping their pages would corrupt it.
+            raise RuntimeError("the engine still runs requests; its KV cache stays")
+        results = await self._engine.collective_rpc(worker_release_kv_cache)
+        return {k: sum(int(r[k]) for r in results) for k in ("released", "rss_before", "rss_after")}
+
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -157,6 +157,8 @@ class RolloutWorker:
         self._handing_back = False
         self._putting: set[str] = set()
         self.returned_groups_total = 0
+        # What the engine released the last time it went to standby (bytes, RSS).
+        self.last_release: dict[str, int] = {}
         self.sync_rank, self.sync_world_size, self.trainer_host = weight_sync
         # Weight-sync state machine: none -> initialising -> ready; one update at a
         # time, versions strictly in order (see update_weights).
@@ -389,7 +391,25 @@ class RolloutWorker:
                 if left <= 0:
                     break
                 self._events_cond.wait(min(left, 0.5))
-            return self.counters.inflight_samples
+            left_generating = self.counters.inflight_samples
+        if standby and not left_generating:
+            self._release_memory()
+        return left_generating
+
+    def _release_memory(self) -> None:
+        """An idle standby engine gives its KV cache memory back (paper §5), where
+        the engine can; the worker's trainer replica may need it."""
+        release = getattr(self.engine, "release_memory", None)
+        if release is None or self.state != "running":
+            return
+        try:
+            self.last_release = self.call(release(), 60.0)
+            logger.info("standby: released %.0f MB of KV cache (engine RSS %.0f -> %.0f MB)",
+                        self.last_release["released"] / 2**20,
+                        self.last_release["rss_before"] / 2**20,
+                        self.last_release["rss_after"] / 2**20)
+        except Exception as err:  # noqa: BLE001 - the memory stays; nothing else changes
+            logger.warning("standby: the engine kept its memory (%s)", err)
 
     def wait_events(self, since_seq: int, timeout_s: float) -> list[SampleEvent]:
         """Events after `since_seq`, waiting up to `timeout_s` for the first. A reader

@@ -19,8 +19,9 @@ The leader names the file by its process id and descriptor number; nothing
 else it sends is opened. A replica checks before it copies that the path is
 /proc/<pid>/fd/<fd>, that it is a memfd of this kind owned by its own user,
 of the announced size, holding the announced random token, and that the
-layout (every tensor's dtype and shape, in order) is its own model's. Any mismatch (another host,
-another PID namespace, another model) falls back to the broadcast.
+layout (every tensor's dtype and shape, in order) is its own model's. Any
+mismatch (another host, another PID namespace, another model) falls back to
+the broadcast.
 """
 
 from __future__ import annotations

@@ -248,3 +248,24 @@ def test_hand_off_descriptors_are_validated(raw):
 
     with pytest.raises(ValueError):
         Descriptor.decode(raw)
+
+
+def test_a_descriptor_naming_a_file_that_is_not_a_trainer_memfd_is_not_copied(tmp_path):
+    """A descriptor pointing at any other open file of this process (here a regular
+    file full of bytes) is refused before anything is mapped or copied."""
+    from reflow.trainer.handoff import Descriptor, copy_from_leader, layout_digest
+
+    target = torch.zeros(4)
+    path = tmp_path / "not-state"
+    path.write_bytes(b"\xff" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        wrong = Descriptor(os.getpid(), fd, 4096, "0" * 32, layout_digest([target]))
+        with pytest.raises(ValueError, match="not a trainer-state memfd"):
+            copy_from_leader(wrong, [target])
+        with pytest.raises(OSError):  # no such descriptor in this process
+            copy_from_leader(Descriptor(os.getpid(), 999_999, 4096, "0" * 32,
+                                        layout_digest([target])), [target])
+    finally:
+        os.close(fd)
+    assert not target.any()

@@ -73,14 +73,23 @@ def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _state_slots(model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> list[tuple[object, str | None]]:
+    """Where each state tensor lives, in the order every replica agrees on:
+    parameters (`.data`, key None), then each parameter's optimizer-state tensors."""
+    materialise_optimizer_state(optimizer)
+    params = list(model.parameters())
+    slots: list[tuple[object, str | None]] = [(p, None) for p in params]
+    for p in params:
+        state = optimizer.state[p]
+        slots.extend((state, k) for k in sorted(state) if isinstance(state[k], torch.Tensor))
+    return slots
+
+
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Parameters then optimizer state, in an order every replica agrees on."""
-    materialise_optimizer_state(optimizer)
-    out = [p.data for p in model.parameters()]
-    for p in model.parameters():
-        state = optimizer.state[p]
-        out.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-    return out
+    return [owner.data if key is None else owner[key]  # type: ignore[index,attr-defined]
+            for owner, key in _state_slots(model, optimizer)]
 
 
 @dataclass(frozen=True)
@@ -157,25 +166,24 @@ class SharedState:
         """Move `model`'s parameters and `optimizer`'s state into a new shared file."""
         tensors = state_tensors(model, optimizer)
         shared = cls(tensors)
-        shared._rebind(model, optimizer, iter(shared.views))
+        shared._rebind(model, optimizer, shared.views)
         return shared
 
     @staticmethod
-    def _rebind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors) -> None:
+    def _rebind(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                tensors: list[torch.Tensor]) -> None:
         """Point parameters and optimizer state at `tensors`, in state_tensors order."""
-        params = list(model.parameters())
-        for p in params:
-            p.data = next(tensors)
-        for p in params:
-            state = optimizer.state[p]
-            for k in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)):
-                state[k] = next(tensors)
+        for (owner, key), tensor in zip(_state_slots(model, optimizer), tensors, strict=True):
+            if key is None:
+                owner.data = tensor  # type: ignore[attr-defined]
+            else:
+                owner[key] = tensor  # type: ignore[index]
 
     def close(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Give every tensor private memory again and release the shared file."""
         with torch.no_grad():
             private = [t.clone() for t in state_tensors(model, optimizer)]
-        self._rebind(model, optimizer, iter(private))
+        self._rebind(model, optimizer, private)
         self.views = []
         del self._bytes
         try:

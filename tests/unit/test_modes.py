@@ -86,10 +86,14 @@ def test_sync_is_colocated_and_the_others_get_their_own_cores(monkeypatch):
     monkeypatch.delenv("REFLOW_PIN_CPUS", raising=False)
     backend = LocalBackend("redis://unused")
     split = {s: backend._cpu_env(s) for s in ("rollout", "trainer")}
-    assert split["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1"
+    # The engine core gets the rollout cores; its front end may run on any.
+    assert split["rollout"]["REFLOW_ENGINE_CPU_AFFINITY"] == "0,1"
+    assert split["rollout"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert split["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
     assert split["trainer"]["REFLOW_CPU_AFFINITY"] == "2,3"
     together = {s: backend._cpu_env(s, colocated=True) for s in ("rollout", "trainer")}
     assert together["rollout"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
+    assert together["rollout"]["REFLOW_ENGINE_CPU_AFFINITY"] == "0,1,2,3"
     assert together["rollout"]["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
     assert together["trainer"]["REFLOW_CPU_AFFINITY"] == "0,1,2,3"
     assert together["rollout"]["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -112,7 +112,10 @@ class VllmEngine:
         if os.environ.get("REFLOW_ENGINE_STATS", "1") != "0":
             self.load = EngineLoad()
             stat_loggers = [_load_recorder(self.load)]
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+        from reflow.procs import engine_process_affinity
+
+        with engine_process_affinity():
+            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
     @property
     def kv_cache_tokens(self) -> int:

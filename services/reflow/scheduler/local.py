@@ -94,11 +94,13 @@ class LocalBackend:
             rollout_cpus = trainer_cpus = cpus
             extra = {"OMP_WAIT_POLICY": "PASSIVE"}
         if service == "rollout":
-            # The whole rollout process (vLLM's front end and engine core inherit it),
-            # not just the engine's OpenMP threads: its Python work would otherwise
-            # land on the trainer's cores.
+            # The engine core (the process that runs the model) gets the rollout cores;
+            # the front end may use any core. On the rollout core it took a fifth of
+            # the engine's time; beside the trainer, whose core idles while it waits
+            # for a batch, it costs the trainer's step nothing measurable (bench/PROFILE.md).
             return {"VLLM_CPU_OMP_THREADS_BIND": procs.cpu_list(rollout_cpus),
-                    procs.CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus), **extra}
+                    procs.ENGINE_CPU_AFFINITY_ENV: procs.cpu_list(rollout_cpus),
+                    procs.CPU_AFFINITY_ENV: procs.cpu_list(cpus), **extra}
         if service == "trainer":
             return {procs.CPU_AFFINITY_ENV: procs.cpu_list(trainer_cpus), **extra}
         if service == "worker":

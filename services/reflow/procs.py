@@ -81,13 +81,17 @@ def engine_process_affinity():
         yield
         return
     previous = os.sched_getaffinity(0)
+    existing = set(os.listdir("/proc/self/task"))
     os.sched_setaffinity(0, _parse_cpus(raw))
     try:
         yield
     finally:
+        os.sched_setaffinity(0, previous)
         # Threads started meanwhile (the engine client's I/O threads) inherited the
-        # narrow set; per-thread affinity, so each is widened by its id.
-        for tid in os.listdir("/proc/self/task"):
+        # narrow set; affinity is per thread, so each is widened by its id. Threads
+        # that were already there are left alone: another job's engine may be
+        # starting on one of them.
+        for tid in set(os.listdir("/proc/self/task")) - existing:
             with contextlib.suppress(OSError):  # a thread that has just exited
                 os.sched_setaffinity(int(tid), previous)
 

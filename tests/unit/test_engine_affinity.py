@@ -63,3 +63,29 @@ def test_without_an_engine_set_nothing_moves(monkeypatch):
         assert os.sched_getaffinity(0) == before
         assert _child_affinity() == before
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_thread_that_was_already_there_keeps_its_own_cores(monkeypatch):
+    """Another job's engine may be starting on another thread, narrowed to its
+    engine cores: finishing this start must not widen it."""
+    monkeypatch.setenv(procs.ENGINE_CPU_AFFINITY_ENV, str(CPUS[0]))
+    narrowed = threading.Event()
+    stop = threading.Event()
+    seen: dict[str, int] = {}
+
+    def other_engine_start() -> None:
+        seen["tid"] = threading.get_native_id()
+        os.sched_setaffinity(0, {CPUS[-1]})
+        narrowed.set()
+        stop.wait(10)
+
+    other = threading.Thread(target=other_engine_start)
+    other.start()
+    narrowed.wait(5)
+    try:
+        with procs.engine_process_affinity():
+            pass
+        assert _thread_affinity(seen["tid"]) == {CPUS[-1]}
+    finally:
+        stop.set()
+        other.join()

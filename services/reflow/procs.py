@@ -72,7 +72,7 @@ def _parse_cpus(raw: str) -> set[int]:
 def engine_process_affinity():
     """Around the start of an inference engine: narrow the calling thread to the
     cores in REFLOW_ENGINE_CPU_AFFINITY, so the engine-core process it spawns
-    inherits them, then give every thread of this process back the cores it had.
+    inherits them, then give it and the threads started meanwhile its cores back.
     The engine core keeps a core to itself, and the front end (request streaming,
     output processing, gRPC) runs wherever there is room instead of taking a share
     of that core: bench/PROFILE.md measured it at about a fifth of the engine's."""

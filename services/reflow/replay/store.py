@@ -193,10 +193,10 @@ class ReplayStore:
         pipe = self.redis.pipeline(transaction=False)
         for group_id, members in groups.items():
             # The group's version for δ, by the configured reference.
-            oldest = group_staleness_version(members, config.staleness_version)
-            meta = _meta(len(members), sum(t.reward for t in members) / len(members), oldest, 0,
+            version = group_staleness_version(members, config.staleness_version)
+            meta = _meta(len(members), sum(t.reward for t in members) / len(members), version, 0,
                          sum(t.num_tokens for t in members), min(t.created_at for t in members))
-            args: list[str | bytes | int] = [group_id, meta, oldest, delta, len(members)]
+            args: list[str | bytes | int] = [group_id, meta, version, delta, len(members)]
             for t in members:
                 args += [t.sample_id, trajectory_to_bytes(t),
                          f"{t.reward!r}|{t.advantage!r}|{t.num_tokens}|"

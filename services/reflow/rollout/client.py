@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.tasks import Prompt
-from reflow.rollout.worker import SampleEvent
+from reflow.rollout.records import SampleEvent
 
 
 @dataclass

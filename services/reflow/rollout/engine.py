@@ -28,6 +28,10 @@ class TokenDelta:
     logprobs: list[float]
     finished: bool = False
     finish_reason: str | None = None
+    # (policy version, tokens) in order, covering `token_ids`, when the engine itself
+    # labels every token with the weights that sampled it (see `label_weights`);
+    # None: the tokens belong to the version the worker has loaded when they arrive.
+    segments: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -38,6 +42,9 @@ class EngineLoad:
     waiting_requests: int = 0
     kv_cache_usage_ratio: float = 0.0
     preempted_requests_total: int = 0
+    # Tokens sampled, counted by the engine as it steps; None if it does not count
+    # (the worker then counts the tokens it is handed).
+    generated_tokens_total: int | None = None
 
 
 # What an InitWeightSync may describe. Bounded so that a stray or hostile request
@@ -144,6 +151,10 @@ class GenerationEngine(Protocol):
     async def receive_weights(self) -> float:
         """Take part in one weight broadcast and load it; returns seconds taken."""
 
+    # Optional: `async def label_weights(self, policy_version: int) -> None` names
+    # the loaded weights; an engine that has it reports, with a sample's tokens,
+    # which label sampled each (TokenDelta.segments), so a sample's version
+    # segments do not depend on when its tokens reach the worker.
     # Optional: `async def release_memory(self) -> dict[str, int]` hands an idle
     # engine's KV cache memory back to the host (a worker going to standby,
     # paper §5); engines without it keep their memory.

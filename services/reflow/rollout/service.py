@@ -15,7 +15,8 @@ from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.tasks import Prompt, build_task
-from reflow.rollout.worker import RolloutCounters, RolloutWorker, SampleEvent
+from reflow.rollout.records import RolloutCounters, SampleEvent
+from reflow.rollout.worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,8 @@ def _load_recorder(load: EngineLoad):
                 load.kv_cache_usage_ratio = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
             if iteration_stats is not None:
                 load.preempted_requests_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+                load.generated_tokens_total = (load.generated_tokens_total or 0) + int(
+                    getattr(iteration_stats, "num_generation_tokens", 0))
 
         def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
             pass
@@ -65,6 +67,26 @@ def _default_executor(tensor_parallel_size: int) -> str | None:
     if torch.cuda.is_available():
         return None
     return "mp" if tensor_parallel_size > 1 else "uni"
+
+
+def _segments(spans, num_tokens: int) -> list[tuple[int, int]] | None:
+    """(policy version, tokens) from vLLM's weight-version spans of a finished
+    output; None where the weights were never labelled (vLLM's own default
+    name). Spans that do not cover the tokens exactly, or mix labelled and
+    unlabelled weights, are refused: a token's version decides its staleness
+    and which policy its logprob belongs to."""
+    if spans is None or all(not str(span.version).isdigit() for span in spans):
+        return None
+    segments, covered = [], 0
+    for span in spans:
+        if span.start != covered or span.end < span.start or not str(span.version).isdigit():
+            raise ValueError(f"weight-version spans {spans} do not label {num_tokens} tokens")
+        if span.end > span.start:
+            segments.append((int(span.version), span.end - span.start))
+        covered = span.end
+    if covered != num_tokens:
+        raise ValueError(f"weight-version spans {spans} do not label {num_tokens} tokens")
+    return segments
 
 
 class VllmEngine:
@@ -110,7 +132,7 @@ class VllmEngine:
         self.load: EngineLoad | None = None
         stat_loggers = None
         if os.environ.get("REFLOW_ENGINE_STATS", "1") != "0":
-            self.load = EngineLoad()
+            self.load = EngineLoad(generated_tokens_total=0)
             stat_loggers = [_load_recorder(self.load)]
         from reflow.procs import engine_process_affinity
 
@@ -129,6 +151,10 @@ class VllmEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenDelta]:
+        """One output, when the sample ends. vLLM labels every token with the
+        weights that sampled it (`label_weights`), so the sample's version
+        segments come with it and nothing is streamed per token: per-token deltas
+        took a third of the rollout front end's CPU (bench/PROFILE.md)."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -141,7 +167,7 @@ class VllmEngine:
             seed=sampling.seed,
             logprobs=0,
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         stream = self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id)
         async for out in stream:
@@ -153,7 +179,14 @@ class VllmEngine:
                 logprobs=logprobs,
                 finished=out.finished,
                 finish_reason=completion.finish_reason,
+                segments=_segments(getattr(completion, "weight_versions", None), len(ids)),
             )
+
+    async def label_weights(self, policy_version: int) -> None:
+        """Name the loaded weights: vLLM's engine core stamps each step's tokens
+        with this label, between steps, so a token's label is exactly the weights
+        that sampled it."""
+        await self._engine.update_weight_version(str(policy_version))
 
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)

@@ -22,13 +22,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
-from reflow.core.types import Segment, Trajectory, group_advantages
+from reflow.core.types import Trajectory, group_advantages
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
+from reflow.rollout.records import GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent
 from reflow.rollout.tasks import Prompt, Task
 
 logger = logging.getLogger(__name__)
@@ -42,68 +42,6 @@ SYNC_PREEMPTION_WINDOW_S = 0.25
 # remembered so that a retried submission is not generated twice.
 EVENT_LOG_SIZE = 65536
 GROUP_MEMORY = 16384
-
-
-@dataclass
-class _Sample:
-    """A sample being generated: tokens, logprobs and version segments so far."""
-
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    finish_reason: str = "length"
-
-    def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        self.response_ids += ids
-        self.logprobs += logprobs
-        if self.segments and self.segments[-1].policy_version == version:
-            last = self.segments[-1]
-            self.segments[-1] = Segment(version, last.num_tokens + len(ids))
-        elif ids:
-            self.segments.append(Segment(version, len(ids)))
-
-
-@dataclass
-class RolloutCounters:
-    generated_tokens_total: int = 0
-    finished_samples_total: int = 0
-    idle_seconds_total: float = 0.0
-    inflight_samples: int = 0
-    policy_version: int = 0
-    # Engine batch occupancy integrated over time (see _measure_occupancy).
-    occupancy_seconds_total: float = 0.0
-    # Seconds the engine took to build: start-up, reported apart from the steady state.
-    engine_startup_s: float = 0.0
-    # The engine's KV-cache use integrated over time (its rate is the mean use),
-    # and the requests it preempted for room: the concurrency controller's inputs
-    # (§6.1). Preemptions of a weight update (the pause drops every running
-    # request's KV cache) are counted apart: they say nothing about congestion.
-    kv_usage_seconds_total: float = 0.0
-    preempted_requests_total: int = 0
-    sync_preempted_requests_total: int = 0
-    # The engine's KV-cache capacity in tokens (Budget_i of §6.1); 0 when unknown.
-    kv_cache_tokens: int = 0
-    # The concurrency cap the dispatcher last gave this worker.
-    concurrency_cap: int = 0
-
-
-@dataclass(frozen=True)
-class SampleEvent:
-    """What the dispatcher learns from a worker: a sample ended (`sample_index`
-    >= 0, with its token counts), or a group was put to the buffer
-    (`sample_index` -1; `error` set if it failed instead)."""
-
-    seq: int
-    group_id: str
-    sample_index: int
-    response_tokens: int = 0
-    prompt_tokens: int = 0
-    policy_version: int = 0
-    error: str = ""
-
-
-# The error of a group's end event when its worker handed it back unfinished.
-GROUP_RETURNED = "returned: its worker left the rollout role"
 
 
 class RolloutWorker:
@@ -193,6 +131,13 @@ class RolloutWorker:
             self.ready.set()
             return
         self.counters.kv_cache_tokens = int(getattr(self.engine, "kv_cache_tokens", 0) or 0)
+        try:
+            await self._label_weights(self.counters.policy_version)
+        except Exception as err:  # noqa: BLE001 - reported through GetStats
+            logger.exception("job %s: labelling the engine's weights failed", self.job_id)
+            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            self.ready.set()
+            return
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.state = "running"
@@ -223,6 +168,11 @@ class RolloutWorker:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # --- weights --------------------------------------------------------------
+
+    async def _label_weights(self, policy_version: int) -> None:
+        label = getattr(self.engine, "label_weights", None)
+        if label is not None:
+            await label(policy_version)
 
     def init_weight_sync(self, spec: WeightSyncSpec, timeout_s: float = 600.0) -> None:
         """Join the job's weight-sync group, once. Refused unless `spec` names this
@@ -317,6 +267,7 @@ class RolloutWorker:
             # Half-loaded weights must not generate: fail loudly, stay paused.
             self.state, self.error = "failed", f"weight update to v{policy_version}: {err}"
             raise
+        await self._label_weights(policy_version)
         self.counters.policy_version = policy_version
         await self.engine.resume()
         self._sync_preemption_until = time.monotonic() + SYNC_PREEMPTION_WINDOW_S
@@ -438,18 +389,27 @@ class RolloutWorker:
         self._group_tasks.add(task)
         task.add_done_callback(self._group_tasks.discard)
 
+    def _engine_generated(self) -> int | None:
+        """Tokens the engine has sampled, where it counts them itself: then they
+        count as they are sampled, even where outputs come only at a sample's end."""
+        return getattr(getattr(self.engine, "load", None), "generated_tokens_total", None)
+
     async def _measure_occupancy(self) -> None:
         """Integrate the engine's batch occupancy: requests it is running (its own
         scheduler's count where it reports one) over the concurrency cap. Samples
         that wait in our queue or in a paused engine do not count as busy."""
         last = time.monotonic()
-        seen_preempted = 0
+        seen_preempted = seen_generated = 0
         while True:
             await asyncio.sleep(OCCUPANCY_TICK_S)
             now = time.monotonic()
             cap = max(1, self.counters.concurrency_cap)
             load = getattr(self.engine, "load", None)
             running = self.counters.inflight_samples
+            generated = self._engine_generated()
+            if generated is not None:
+                self.counters.generated_tokens_total += generated - seen_generated
+                seen_generated = generated
             if load is not None:
                 running = min(running, load.running_requests)
                 self.counters.kv_usage_seconds_total += (now - last) * load.kv_cache_usage_ratio
@@ -509,16 +469,19 @@ class RolloutWorker:
             self._emit(group_id, -1, error=self.error)
 
     async def _run_sample(self, group_id: str, index: int, prompt_ids: list[int],
-                          holding: list[bool], sampling: SamplingSpec) -> _Sample:
+                          holding: list[bool], sampling: SamplingSpec) -> PartialSample:
         """One sample; its end is an event at once, so the dispatcher frees its
         concurrency slot then, not when the slowest sample of its group ends
         (sample-level streaming, paper §4.1)."""
         request_id = f"{group_id}-{index}"
-        sample = _Sample()
+        sample = PartialSample()
         try:
             async for delta in self.engine.generate(request_id, prompt_ids, sampling):
-                sample.extend(delta.token_ids, delta.logprobs, self.counters.policy_version)
-                self.counters.generated_tokens_total += len(delta.token_ids)
+                sample.extend(delta.token_ids, delta.logprobs,
+                              delta.segments or [(self.counters.policy_version,
+                                                  len(delta.token_ids))])
+                if self._engine_generated() is None:
+                    self.counters.generated_tokens_total += len(delta.token_ids)
                 if delta.finished:
                     sample.finish_reason = delta.finish_reason or "stop"
             self.counters.finished_samples_total += 1
@@ -537,7 +500,7 @@ class RolloutWorker:
                 self._events_cond.notify_all()  # a drain (set_standby) waits for this
 
     def _score(
-        self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[_Sample]
+        self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[PartialSample]
     ) -> list[Trajectory]:
         rewards = [self.task.reward(prompt, self.decode(s.response_ids)) for s in samples]
         advantages = group_advantages(rewards)

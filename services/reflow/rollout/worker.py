@@ -245,8 +245,8 @@ class RolloutWorker:
 
     async def _update_weights(self, policy_version: int) -> tuple[float, float]:
         # Partial rollout (paper §4.1 step 4): in-flight requests stop at a token
-        # boundary and are kept; tokens that arrive after the pause belong to the
-        # new version.
+        # boundary and are kept; tokens sampled after the pause belong to the new
+        # version (the engine's label where it keeps them, else their arrival).
         t0 = time.perf_counter()
         self._paused = True
         self._resumed.clear()
@@ -258,16 +258,17 @@ class RolloutWorker:
             while self._generating > 0 and not self._stopping:
                 await asyncio.sleep(OCCUPANCY_TICK_S / 4)
         await self.engine.pause()
-        # Let the output handler hand over tokens generated before the pause.
+        # An engine without labels: let its output handler hand over the tokens
+        # generated before the pause.
         await asyncio.sleep(0)
         t1 = time.perf_counter()
         try:
             receive_s = await self.engine.receive_weights()
+            await self._label_weights(policy_version)
         except Exception as err:
-            # Half-loaded weights must not generate: fail loudly, stay paused.
+            # Half-loaded or mislabelled weights must not generate: fail loudly, stay paused.
             self.state, self.error = "failed", f"weight update to v{policy_version}: {err}"
             raise
-        await self._label_weights(policy_version)
         self.counters.policy_version = policy_version
         await self.engine.resume()
         self._sync_preemption_until = time.monotonic() + SYNC_PREEMPTION_WINDOW_S

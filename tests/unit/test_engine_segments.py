@@ -16,6 +16,7 @@ from reflow.rollout.engine import EngineLoad, TokenDelta
 from reflow.rollout.records import PartialSample
 from reflow.rollout.tasks import build_task
 from reflow.rollout.vllm_engine import _segments
+from tests.unit.fake_engines import PausableEngine
 
 
 def _span(version, start, end):
@@ -51,11 +52,12 @@ def test_partial_sample_merges_segments_and_checks_their_length():
         sample.extend([6], [-0.1], [(1, 2)])
 
 
-class LabellingEngine:
+class LabellingEngine(PausableEngine):
     """Labels its weights as vLLM does and hands each sample over at its end,
     with the labels in force at each token; counts tokens itself."""
 
     def __init__(self):
+        super().__init__()
         self.label = None
         self.labels_seen = []
         self.load = EngineLoad(generated_tokens_total=0)
@@ -73,17 +75,9 @@ class LabellingEngine:
         yield TokenDelta(token_ids=[3, 4, 5], logprobs=[-0.1] * 3, finished=True,
                          finish_reason="stop", segments=[(first, 2), (self.label, 1)])
 
-    async def pause(self):
-        pass
-
     async def resume(self):
+        await super().resume()
         self.step.set()
-
-    async def receive_weights(self):
-        return 0.0
-
-    def shutdown(self):
-        pass
 
 
 class Puts:

@@ -3,6 +3,7 @@ the job's one dispatcher: tests/unit/test_dispatch.py)."""
 
 from reflow.core.config import parse_job_spec
 from reflow.rollout.service import worker_seed
+from tests.unit.fake_engines import PausableEngine
 
 
 def test_each_rollout_worker_of_a_job_has_its_own_sampling_seed():
@@ -31,26 +32,11 @@ def test_without_partial_rollout_an_update_waits_for_started_samples_only():
     from reflow.rollout.tasks import build_task
     from reflow.rollout.worker import RolloutWorker
 
-    class Engine:
-        def __init__(self):
-            self.paused = False
-
+    class Engine(PausableEngine):
         async def generate(self, request_id, prompt_ids, sampling):
             assert not self.paused, "a request reached a paused engine"
             await asyncio.sleep(0.2)
             yield TokenDelta(token_ids=[3], logprobs=[-0.1], finished=True, finish_reason="stop")
-
-        async def pause(self):
-            self.paused = True
-
-        async def resume(self):
-            self.paused = False
-
-        async def receive_weights(self):
-            return 0.0
-
-        def shutdown(self):
-            pass
 
     class Puts:
         def __init__(self):

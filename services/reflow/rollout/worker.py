@@ -125,19 +125,13 @@ class RolloutWorker:
             started = time.monotonic()
             self.engine = self.engine_factory()
             self.counters.engine_startup_s = time.monotonic() - started
+            await self._label_weights(self.counters.policy_version)
         except Exception as err:  # noqa: BLE001 - reported through GetStats
             logger.exception("job %s: engine start failed", self.job_id)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
             self.ready.set()
             return
         self.counters.kv_cache_tokens = int(getattr(self.engine, "kv_cache_tokens", 0) or 0)
-        try:
-            await self._label_weights(self.counters.policy_version)
-        except Exception as err:  # noqa: BLE001 - reported through GetStats
-            logger.exception("job %s: labelling the engine's weights failed", self.job_id)
-            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
-            self.ready.set()
-            return
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.state = "running"

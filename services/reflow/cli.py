@@ -5,6 +5,7 @@
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
+    reflow bench trace --out DIR [--variant NAME=override;...]
 
 Imports stay lazy so that `reflow --help` answers at once.
 """
@@ -115,6 +116,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from reflow.benchmarks.modes import main as modes
 
         return modes(args.rest)
+    if args.benchmark == "trace":
+        from reflow.benchmarks.buffer_trace import main as trace
+
+        return trace(args.rest)
     raise SystemExit(f"unknown benchmark {args.benchmark!r}")
 
 
@@ -156,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--token", default=os.environ.get("REFLOW_API_TOKEN", ""),
                          help="API bearer token (env REFLOW_API_TOKEN)")
 
-    bench = sub.add_parser("bench", help="run a benchmark (modes: the four modes side by side)")
-    bench.add_argument("benchmark", choices=["modes"])
+    bench = sub.add_parser("bench", help="run a benchmark (modes: the four modes side by side; "
+                           "trace: where a reflow step waits, from the buffer's counters)")
+    bench.add_argument("benchmark", choices=["modes", "trace"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(fn=cmd_bench)
     return parser

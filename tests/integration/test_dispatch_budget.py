@@ -144,10 +144,12 @@ def test_a_batch_is_always_eventually_available(redis_server, replay_cap, max_st
 
 
 def test_evictions_refund_the_budget(redis_server):
-    """δ = 0: a group started under the previous version is evicted on arrival and
-    its budget comes back at once, so rollout starts over under the new weights."""
+    """δ = 0, versions by oldest segment: a group started under the previous version
+    is evicted on arrival and its budget comes back at once, so rollout starts over
+    under the new weights."""
     spec = parse_job_spec({"model": {"path": "/m"}, "mode": "reflow",
-                           "replay": {"max_staleness": 0, "replay_cap": 0.0},
+                           "replay": {"max_staleness": 0, "replay_cap": 0.0,
+                                      "staleness_version": "oldest"},
                            "rollout": {"group_size": GROUP},
                            "trainer": {"batch_size": BATCH}})
     sim = Sim(ReplayStore.from_url(redis_server.url), spec)

@@ -53,7 +53,8 @@ def test_short_job_trains_and_syncs_weights_exactly(redis_server, redis_client, 
         "name": "it", "model": {"path": tiny_model},
         "rollout": {"group_size": 4, "max_tokens": 16, "max_inflight_samples": 8},
         "trainer": {"batch_size": 8, "num_steps": 3, "batch_timeout_s": 120},
-        "replay": {"max_staleness": 1},
+        # Versions by oldest segment: every trained sample's true lag stays within δ.
+        "replay": {"max_staleness": 1, "staleness_version": "oldest"},
     })
     replay_server, replay_port = serve_replay(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
     services = [RecordingRolloutService(), RecordingRolloutService()]

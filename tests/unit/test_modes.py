@@ -42,7 +42,10 @@ def test_baselines_are_run_as_their_authors_run_them():
     assert (reflow.replay.replay_cap, reflow.replay.replay_weight, reflow.replay.max_staleness,
             reflow.samples_per_step) == (0.5, 0.5, 1, reflow.trainer.batch_size)
     assert reflow.replay.evict_stale and reflow.rollout.partial_rollout
-    assert reflow.replay.staleness_version == "oldest"
+    assert reflow.replay.staleness_version == "completed"
+    # The baselines order their queues by generation start, as measured before.
+    assert (sync.replay.staleness_version, off.replay.staleness_version,
+            fully.replay.staleness_version) == ("oldest",) * 3
     with pytest.raises(JobSpecError, match="mode=one_step_off fixes rollout.partial_rollout"):
         spec(mode="one_step_off", rollout={"group_size": 4, "partial_rollout": True})
 

@@ -7,8 +7,9 @@ Runs the same job (same seed, model, task and number of trained samples) as
 every entry: the baselines sync, one_step_off and fully_async as their authors
 run them (see MODE_PRESETS in reflow.core.config), sync_split (sync with
 rollout and trainer on their own cores instead of colocated), reflow with the
-paper's settings, reflow_newest and reflow_completed (the same with
-`replay.staleness_version=newest` or `completed`, the choice the paper leaves
+paper's settings (a partially rolled-out group counting as the version it
+completed under), reflow_newest and reflow_oldest (the same with
+`replay.staleness_version=newest` or `oldest`, the choice the paper leaves
 open) and
 reflow_static (the same without adaptive generation scheduling: the
 ablation of paper §6.1, `scheduler.adaptive=false`). Ratios
@@ -59,9 +60,9 @@ ENTRIES: dict[str, tuple[str, list[str], dict[str, str]]] = {
     # against whichever sync placement was faster in that round.
     "sync_split": ("sync", [], {"REFLOW_COLOCATE": "0"}),
     "reflow_newest": ("reflow", ["replay.staleness_version=newest"], {}),
-    # A group counts as the version its last member finished under (the paper's
-    # "generated in the recent δ steps" read as finished within them).
-    "reflow_completed": ("reflow", ["replay.staleness_version=completed"], {}),
+    # A group counts as its members' oldest segment (every sample's lag within δ),
+    # against the default: the version its last member finished under.
+    "reflow_oldest": ("reflow", ["replay.staleness_version=oldest"], {}),
     # The adaptive generation scheduler's ablation (paper §6.1): a static cap of
     # rollout.max_inflight_samples, no token-budget admission.
     "reflow_static": ("reflow", ["scheduler.adaptive=false"], {}),

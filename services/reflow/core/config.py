@@ -225,17 +225,16 @@ class ReplayConfig(_Section):
         "(`max_head_offpolicyness`) bound staleness.",
     )
     staleness_version: Literal["oldest", "newest", "completed"] = Field(
-        default="oldest",
-        description="Which version a GRPO group counts as for δ when its samples were "
-        "generated across weight updates (partial rollout). `oldest`: its members' oldest "
-        "segment (every sample's true lag stays within δ; conservative). `newest`: each "
-        "member's newest segment (the version that finished it, as AReaL counts a sample's "
-        "version), the group taking its earliest-finished member's. `completed`: the version "
-        "current when the group's last sample finished, reading the paper's 'samples "
-        "generated in the recent δ steps' (§4.2) as finished within them; a long straggler "
-        "then no longer condemns its whole group, and a member's true lag may exceed δ "
-        "(the trainer's staleness metrics always count from the oldest segment). The paper "
-        "leaves this open; `reflow bench modes` measures each.",
+        default="completed",
+        description="Which version a GRPO group counts as for δ when generated across weight "
+        "updates (partial rollout), a choice the paper leaves open. `completed`: the version "
+        "current when its last sample finished (§4.2's 'generated in the recent δ steps' read "
+        "as finished within them); a member's true lag may then exceed δ (staleness metrics "
+        "count from the oldest segment; the loss uses each token's behaviour log-prob). "
+        "`oldest`: its members' oldest segment (every lag within δ; under δ = 1 a pipelined "
+        "trainer's batch leaves at the next publish, so replay rarely carries a step: "
+        "bench/PROFILE.md). `newest`: each member's newest segment (as AReaL counts), the "
+        "group taking its earliest-finished member's.",
     )
     sampler: str = Field(
         default="uniform",
@@ -379,6 +378,9 @@ Mode = Literal["sync", "one_step_off", "fully_async", "reflow"]
 # trigger_parameter_sync_step, which is our outstanding-sample limit.
 BASELINE_GENERATION: dict[tuple[str, str], Any] = {
     ("rollout", "max_inflight_samples"): None, ("scheduler", "adaptive"): False}
+# The baselines evict nothing for staleness (sync generates under one version): a
+# group's version only orders their FIFO queue, by generation start.
+BASELINE_ORDER: dict[tuple[str, str], Any] = {("replay", "staleness_version"): "oldest"}
 
 # What each mode fixes: the paper's baselines (§7.2) as their authors run them,
 # on ReFlow's own code paths. A field a mode fixes may be left out of the spec;
@@ -389,21 +391,21 @@ MODE_PRESETS: dict[str, dict[tuple[str, str], Any]] = {
     # local backend gives rollout and trainer every core (see JobSpec.colocated).
     "sync": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 0,
              ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
-             ("rollout", "partial_rollout"): False, **BASELINE_GENERATION},
+             ("rollout", "partial_rollout"): False, **BASELINE_GENERATION, **BASELINE_ORDER},
     # verl's one_step_off_policy recipe: batch k+1 is generated whole under the
     # weights of step k while step k trains; the weight update waits for that
     # generation (no partial rollout); consumed in order, nothing dropped.
     "one_step_off": {("replay", "replay_cap"): 0.0, ("replay", "max_staleness"): 1,
                      ("trainer", "sync_interval"): 1, ("replay", "sampler"): "fifo",
                      ("rollout", "partial_rollout"): False, ("replay", "evict_stale"): False,
-                     **BASELINE_GENERATION},
+                     **BASELINE_GENERATION, **BASELINE_ORDER},
     # verl's fully_async_policy recipe (and AReaL): streaming with partial rollout,
     # a queue consumed in arrival order, staleness bounded by throttling dispatch
     # (δ plays `async_training.staleness_threshold`, in whole versions), nothing
     # finished is evicted. No replay.
     "fully_async": {("replay", "replay_cap"): 0.0, ("replay", "sampler"): "fifo",
                     ("rollout", "partial_rollout"): True, ("replay", "evict_stale"): False,
-                    **BASELINE_GENERATION},
+                    **BASELINE_GENERATION, **BASELINE_ORDER},
     # fully_async + replay (σ, τ, δ with eviction), the paper's settings by default.
     "reflow": {},
 }

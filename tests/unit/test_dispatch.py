@@ -140,7 +140,10 @@ def test_token_admission_holds_a_small_kv_cache_to_its_budget():
     # admission on, w0 never holds two groups at once; w1 takes the rest.
     spec = _spec(rollout={"group_size": 2, "max_inflight_samples": 8, "max_tokens": 16},
                  scheduler={"concurrency_control": False, "admission_ratio": 1.0})
-    small, large = StaggeredEngine(0.03, 16, 50), StaggeredEngine(0.03, 16, 10_000)
+    # A group's two samples end 0.1 s apart, so the first one's free slot is seen on
+    # its own (the event reader batches events that end close together) while w1's
+    # cap cannot take a group and w0 holds one.
+    small, large = StaggeredEngine(0.1, 16, 50), StaggeredEngine(0.1, 16, 10_000)
     budget = Budget(limit=40)
     dispatcher, clients = _run(spec, [small, large], budget, lambda d, c: len(budget.groups) >= 20)
     assert len(budget.groups) == 20

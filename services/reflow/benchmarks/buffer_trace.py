@@ -139,11 +139,12 @@ def trace_run(run_dir: Path, overrides: list[str], steps: int, interval_s: float
 
 
 def trained_tokens_per_s(run_dir: Path, warmup_steps: int) -> float:
+    """Trained tokens over step time after the warm-up, as `reflow bench modes` counts."""
+    from reflow.benchmarks.modes import summarize_mode
     from reflow.report import read_metrics
 
-    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > warmup_steps]
-    seconds = sum(r["step_time_s"] for r in records)
-    return sum(r["trained_tokens"] for r in records) / seconds if seconds > 0 else 0.0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return summarize_mode(records, warmup_steps, target=math.inf)["trainer_tokens_per_s"]
 
 
 def _summary(values: list[float]) -> dict[str, float]:

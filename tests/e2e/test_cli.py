@@ -147,6 +147,12 @@ def test_each_mode_keeps_its_staleness_guarantee(tmp_path, tiny_model, mode, bou
     assert len(records) == 6
     if bound is not None:
         assert max(r["max_staleness"] for r in records) <= bound
+    for r in records:
+        # Idle is the wait for a batch plus the wait for the rollout workers to pause
+        # for a weight update (with partial rollout off, their samples finishing).
+        idle_s = r["batch_wait_s"] + r["sync_wait_s"]
+        assert 0 <= r["sync_wait_s"] <= r["weight_sync_s"]
+        assert r["trainer_idle_ratio"] == pytest.approx(min(1.0, idle_s / r["step_time_s"]))
     if mode in ("one_step_off", "fully_async"):
         # As their authors run them: throttled, never evicting a finished sample.
         assert records[-1]["evicted_samples_total"] == 0

@@ -57,12 +57,18 @@ def test_without_partial_rollout_an_update_waits_for_started_samples_only():
     try:
         assert worker.submit_group("old", next(prompts))
         time.sleep(0.05)  # generating under v0
-        update = threading.Thread(target=lambda: worker.call(worker._update_weights(1), 10))
+        timings = []
+        update = threading.Thread(
+            target=lambda: timings.append(worker.call(worker._update_weights(1), 10)))
         update.start()
         time.sleep(0.05)  # the update now waits for "old"
         assert worker.submit_group("new", next(prompts))
         update.join(5)
         assert not update.is_alive(), "the update waited on a group that waits for it"
+        # Its pause covers "old" finishing (about 0.15 s of its 0.2 s were left): the
+        # trainer counts that wait as idle, not as weight transfer.
+        (pause_s, _), = timings
+        assert pause_s >= 0.1
         deadline = time.monotonic() + 5
         while len(puts.groups) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)

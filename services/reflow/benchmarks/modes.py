@@ -103,6 +103,9 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
     step_s = sum(r["step_time_s"] for r in measured)
     wait_s = sum(r["batch_wait_s"] for r in measured)
     sync_s = sum(r["weight_sync_s"] for r in measured)
+    # The part of the weight sync spent waiting for the rollout workers to pause (their
+    # samples in flight finishing, with partial rollout off): idle, as a batch wait is.
+    sync_wait_s = sum(r.get("sync_wait_s", 0.0) for r in measured)
     smoothed = moving_average([r["reward_mean"] for r in records], window)
     reached = next((r["wall_time_s"] for r, s in zip(records, smoothed)
                     if s >= target and r["step"] >= window), None)
@@ -115,7 +118,7 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "generation_tokens_per_s": sum(r["generated_tokens"] for r in measured) / step_s
         if all("generated_tokens" in r for r in measured) else None,
         "wall_time_s": records[-1]["wall_time_s"],
-        "trainer_idle_ratio": wait_s / step_s,
+        "trainer_idle_ratio": (wait_s + sync_wait_s) / step_s,
         "rollout_idle_ratio": sum(r["rollout_idle_ratio"] * r["step_time_s"] for r in measured) / step_s,
         # Not measured where no record has it (TRL has no separate engine).
         "rollout_utilisation": sum(r["rollout_utilisation"] * r["step_time_s"] for r in measured)
@@ -136,7 +139,8 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         "breakdown_s": {
             "wait_for_batch": wait_s / n,
             "train": (step_s - wait_s - sync_s) / n,
-            "weight_sync": sync_s / n,
+            "wait_for_rollout_pause": sync_wait_s / n,
+            "weight_sync": (sync_s - sync_wait_s) / n,
         },
     }
 

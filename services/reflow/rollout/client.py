@@ -26,6 +26,16 @@ class RolloutStats:
     concurrency_cap: int = 0
 
 
+@dataclass
+class WeightUpdate:
+    """How long a rollout worker took to take a new version: `pause_s` until its
+    engine stopped generating (with partial rollout off, its samples in flight
+    finishing under the old weights first), `receive_s` loading the weights."""
+
+    pause_s: float
+    receive_s: float
+
+
 class GrpcRolloutClient:
     def __init__(self, address: str, deadline_s: float = 30.0) -> None:
         from reflow import rpc
@@ -73,11 +83,13 @@ class GrpcRolloutClient:
         # Covers the engine start (tens of seconds) that the call waits for.
         self._stub.InitWeightSync(req, timeout=deadline_s)
 
-    def update_weights(self, job_id: str, policy_version: int, deadline_s: float = 300.0) -> float:
+    def update_weights(self, job_id: str, policy_version: int,
+                       deadline_s: float = 300.0) -> WeightUpdate:
         from reflow.v1 import rollout_pb2
 
         req = rollout_pb2.UpdateWeightsRequest(job_id=job_id, policy_version=policy_version)
-        return self._stub.UpdateWeights(req, timeout=deadline_s).receive_s
+        reply = self._stub.UpdateWeights(req, timeout=deadline_s)
+        return WeightUpdate(reply.pause_s, reply.receive_s)
 
     def stats(self, job_id: str) -> RolloutStats:
         from reflow.v1 import common_pb2

@@ -268,15 +268,15 @@ class TrainLoop:
                     self._give_back(batch)
             self.step += 1
             # 4. Publish a new policy version every sync_interval steps.
-            sync_s = 0.0
+            sync_s = sync_wait_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
-                sync_s = self._publish()
+                sync_s, sync_wait_s = self._publish()
                 # Roles move at sync boundaries only (paper §5).
                 self.apply_membership()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
             rollout_now = self._rollout_totals()
-            record = self._metrics(batch, stats, wait_s, sync_s, step_s,
+            record = self._metrics(batch, stats, wait_s, sync_s, sync_wait_s, step_s,
                                    self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
@@ -348,8 +348,12 @@ class TrainLoop:
         return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
                             self.pad_id, self.device, group)
 
-    def _publish(self) -> float:
-        """Send the weights to every rollout worker as version v+1, then tell the buffer."""
+    def _publish(self) -> tuple[float, float]:
+        """Send the weights to every rollout worker as version v+1, then tell the buffer.
+        Returns the seconds it took, and how many of them the slowest worker spent
+        pausing: the trainer's send waits for that, so it is trainer idle time (with
+        partial rollout off, as verl's one_step_off, the pause lets the samples in
+        flight finish under the old weights)."""
         t0 = time.monotonic()
         version = self.policy_version + 1
         futures = [
@@ -358,11 +362,10 @@ class TrainLoop:
         ]
         with torch.no_grad():
             send_weights(self._sync_group, self._named_weights())
-        for f in futures:
-            f.result()
+        updates = [f.result() for f in futures]
         self.policy_version = version
         self.replay.publish_version(self.job_id, version)
-        return time.monotonic() - t0
+        return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
 
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the
@@ -385,8 +388,8 @@ class TrainLoop:
         sums = [sum(t[k] - b[k] for t, b in active) for k in range(4)]
         return [*sums, float(len(active))]
 
-    def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, step_s: float,
-                 rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
+    def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, sync_wait_s: float,
+                 step_s: float, rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
         loss_stats, grad_norm = stats
         rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
         trajs = batch.trajectories
@@ -416,7 +419,9 @@ class TrainLoop:
             "trained_tokens": trained_tokens,
             "step_time_s": step_s,
             "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
-            "trainer_idle_ratio": min(1.0, wait_s / step_s) if step_s > 0 else 0.0,
+            # Waiting for a batch, and for the rollout workers to pause for a weight
+            # update: the trainer computes nothing in either.
+            "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s > 0 else 0.0,
             "rollout_idle_ratio": min(1.0, rollout_idle_s / (step_s * num_workers)) if step_s > 0 else 0.0,
             # The engines' measured batch occupancy over this step (running requests
             # over the concurrency cap), averaged over the workers.
@@ -440,6 +445,7 @@ class TrainLoop:
             "wall_time_s": wall_s,
             "batch_wait_s": wait_s,
             "weight_sync_s": sync_s,
+            "sync_wait_s": sync_wait_s,
             "unused_pool_samples": buffer.unused_samples,
             "replay_pool_samples": buffer.replay_samples,
             "evicted_samples_total": buffer.evicted_total,

@@ -40,6 +40,31 @@ def test_every_entry_is_a_mode_and_sync_is_among_them():
     assert set(modes.WORKLOADS) == {"balanced", "rollout_bound"}
 
 
+@pytest.mark.parametrize("entry", sorted(modes.ENTRIES))
+@pytest.mark.parametrize("workload", sorted(modes.WORKLOADS))
+def test_every_entry_is_a_valid_job_on_every_workload(entry, workload):
+    """The bench runs `reflow run CONFIG mode=M WORKLOAD... ENTRY...`: each of those
+    specs must load, with the entry's own settings in force."""
+    from reflow.core.config import load_job_spec
+
+    mode, overrides, _ = modes.ENTRIES[entry]
+    spec = load_job_spec(modes.REPO / "examples" / "bench_modes.yaml",
+                         [f"mode={mode}", *modes.WORKLOADS[workload], *overrides])
+    assert spec.mode == mode
+    if entry.endswith("_sync4"):
+        assert spec.trainer.sync_interval == 4
+
+
+def test_the_wait_for_rollout_workers_to_pause_counts_as_idle():
+    """one_step_off's trainer waits inside the weight sync for the batch in flight."""
+    records = [dict(r, sync_wait_s=0.05) for r in _records(100, 0.25)]
+    summary = modes.summarize_mode(records, warmup=2, target=0.3)
+    assert summary["trainer_idle_ratio"] == pytest.approx(0.30)
+    assert summary["breakdown_s"] == pytest.approx(
+        {"wait_for_batch": 0.25, "wait_for_rollout_pause": 0.05, "train": 0.65,
+         "weight_sync": 0.05})
+
+
 def _write_run(root, entry: str, run: int, records: list[dict]) -> None:
     run_dir = root / "balanced" / f"{entry}-{run}"
     run_dir.mkdir(parents=True)

@@ -10,9 +10,10 @@ rollout and trainer on their own cores instead of colocated), reflow with the
 paper's settings (a partially rolled-out group counting as the version it
 completed under), reflow_newest and reflow_oldest (the same with
 `replay.staleness_version=newest` or `oldest`, the choice the paper leaves
-open) and
+open),
 reflow_static (the same without adaptive generation scheduling: the
-ablation of paper §6.1, `scheduler.adaptive=false`). Ratios
+ablation of paper §6.1, `scheduler.adaptive=false`), and fully_async_sync4 and
+reflow_sync4 (weights synced every 4 steps, verl's fully_async recipe). Ratios
 ("vs sync") are against the faster of sync and sync_split in the same round.
 Each entry runs through `reflow run` with all services as separate processes.
 
@@ -63,6 +64,11 @@ ENTRIES: dict[str, tuple[str, list[str], dict[str, str]]] = {
     # A group counts as its members' oldest segment (every sample's lag within δ),
     # against the default: the version its last member finished under.
     "reflow_oldest": ("reflow", ["replay.staleness_version=oldest"], {}),
+    # Weights synced every 4 steps, not every step: verl's fully_async recipes run
+    # `async_training.trigger_parameter_sync_step=4`, and the paper syncs "every few
+    # training steps" (§4.1 step 4). δ counts versions, so its window spans 4 steps.
+    "fully_async_sync4": ("fully_async", ["trainer.sync_interval=4"], {}),
+    "reflow_sync4": ("reflow", ["trainer.sync_interval=4"], {}),
     # The adaptive generation scheduler's ablation (paper §6.1): a static cap of
     # rollout.max_inflight_samples, no token-budget admission.
     "reflow_static": ("reflow", ["scheduler.adaptive=false"], {}),

@@ -102,7 +102,8 @@ class WindowMeasurement:
     """Share of rollout worker-time blocked by the dispatch budget, staleness bound or weight
     sync (0..1): not lost capacity."""
     trainer_idle_ratio: float
-    """Share of trainer time spent waiting for a batch (0..1): not lost capacity."""
+    """Share of trainer time spent waiting (0..1), for a batch or for the rollout workers
+    to pause for a weight update: not lost capacity."""
 
     def __post_init__(self) -> None:
         _check_counts(step=self.step)

@@ -21,7 +21,8 @@ class TrainerMetrics:
         self.tokens_per_s = Gauge("reflow_trainer_tokens_per_second",
                                   "Trained tokens over step time, last step.", ["job_id"], registry=r)
         self.trainer_idle = Gauge("reflow_trainer_idle_ratio",
-                                  "Share of the last step spent waiting for a batch.", ["job_id"],
+                                  "Share of the last step spent waiting: for a batch, and for the "
+                                  "rollout workers to pause for a weight update.", ["job_id"],
                                   registry=r)
         self.rollout_idle = Gauge("reflow_trainer_rollout_idle_ratio",
                                   "Share of the last step the rollout workers had nothing in flight.",

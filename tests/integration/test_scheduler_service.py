@@ -75,8 +75,9 @@ def test_pages_are_stable_while_jobs_arrive(redis_server, redis_client):
     third, last = store.page(2, token)
     assert [r.job_id for r in second] == ["j2", "j1"]
     assert [r.job_id for r in third] == ["j0"] and last == ""
-    with pytest.raises(ValueError, match="page_token"):
-        store.page(2, "not-a-token")
+    for bad in ("not-a-token", "²", "١٢", "1" * 21):  # Unicode digits are digits to str
+        with pytest.raises(ValueError, match="page_token"):
+            store.page(2, bad)
 
 
 def test_step_metrics_are_kept_in_order_and_read_after_a_step(redis_server, redis_client):

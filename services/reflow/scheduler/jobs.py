@@ -99,7 +99,10 @@ class JobStore:
         so pages stay stable while new jobs arrive."""
         if not 1 <= limit <= 1000:
             raise ValueError(f"limit: {limit} is out of range; use 1 to 1000")
-        if page_token and not page_token.isdigit():
+        # ASCII digits only: str.isdigit() also accepts "²" or "١", which Redis
+        # cannot read as a score (and answers with an error, not an empty page).
+        if page_token and not (page_token.isascii() and page_token.isdigit()
+                               and len(page_token) <= 20):
             raise ValueError("page_token: not a token this API returned; "
                              "pass next_page_token from the previous page")
         top = f"({page_token}" if page_token else "+inf"

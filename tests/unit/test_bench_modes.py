@@ -51,8 +51,10 @@ def test_every_entry_is_a_valid_job_on_every_workload(entry, workload):
     spec = load_job_spec(modes.REPO / "examples" / "bench_modes.yaml",
                          [f"mode={mode}", *modes.WORKLOADS[workload], *overrides])
     assert spec.mode == mode
-    if entry.endswith("_sync4"):
-        assert spec.trainer.sync_interval == 4
+    for override in overrides:
+        path, value = override.split("=", 1)
+        section, field = path.split(".")
+        assert str(getattr(getattr(spec, section), field)).lower() == value.lower(), override
 
 
 def test_the_wait_for_rollout_workers_to_pause_counts_as_idle():

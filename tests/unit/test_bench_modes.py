@@ -67,6 +67,18 @@ def test_the_wait_for_rollout_workers_to_pause_counts_as_idle():
          "weight_sync": 0.05})
 
 
+def test_timed_optimisation_splits_the_train_share_from_the_bookkeeping():
+    """Records with the trainer's own `train_s` separate the optimisation from the
+    round trips around it; records without it keep the one `train` share."""
+    records = [dict(r, sync_wait_s=0.05, train_s=0.5) for r in _records(100, 0.25)]
+    summary = modes.summarize_mode(records, warmup=2, target=0.3)
+    assert summary["breakdown_s"] == pytest.approx(
+        {"wait_for_batch": 0.25, "wait_for_rollout_pause": 0.05, "train": 0.5,
+         "step_bookkeeping": 0.15, "weight_sync": 0.05})
+    mixed = records[:6] + _records(100, 0.25)[6:]
+    assert "step_bookkeeping" not in modes.summarize_mode(mixed, 2, 0.3)["breakdown_s"]
+
+
 def _write_run(root, entry: str, run: int, records: list[dict]) -> None:
     run_dir = root / "balanced" / f"{entry}-{run}"
     run_dir.mkdir(parents=True)

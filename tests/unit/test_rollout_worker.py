@@ -77,3 +77,28 @@ def test_without_partial_rollout_an_update_waits_for_started_samples_only():
     versions = {g: {s.policy_version for t in ts for s in t.segments}
                 for g, ts in puts.groups.items()}
     assert versions == {"old": {0}, "new": {1}}
+
+
+def test_event_log_reads_return_exactly_the_events_after_the_reader(monkeypatch):
+    """The dispatcher follows each worker's sample-end events by sequence number: a
+    read returns the events after it in order, a reader that fell behind the log gets
+    what the log still holds, and a reader at the head waits and gets none."""
+    from reflow.rollout import worker as worker_module
+    from reflow.rollout.tasks import build_task
+    from reflow.rollout.worker import RolloutWorker
+
+    monkeypatch.setattr(worker_module, "EVENT_LOG_SIZE", 8)
+    spec = parse_job_spec({"model": {"path": "/m"}, "rollout": {"group_size": 2},
+                           "trainer": {"batch_size": 4}})
+    worker = RolloutWorker("j", spec, PausableEngine, build_task("repeat", 8, 3, seed=0),
+                           None, encode=lambda text: [1], decode=lambda ids: "a")
+    for i in range(5):
+        worker._emit(f"g{i}", 0, response_tokens=i)
+    assert [e.seq for e in worker.wait_events(0, 0.0)] == [1, 2, 3, 4, 5]
+    assert [(e.seq, e.group_id) for e in worker.wait_events(3, 0.0)] == [(4, "g3"), (5, "g4")]
+    assert worker.wait_events(5, 0.01) == []
+    for i in range(5, 20):
+        worker._emit(f"g{i}", 0)
+    # 20 events, the log keeps the newest 8: a reader at 2 gets 13..20.
+    assert [e.seq for e in worker.wait_events(2, 0.0)] == list(range(13, 21))
+    assert [e.seq for e in worker.wait_events(17, 0.0)] == [18, 19, 20]

@@ -104,6 +104,17 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _train_breakdown(measured: list[dict], rest_s: float) -> dict[str, float]:
+    """A step's time besides its waits and its sync, per step: the optimisation and,
+    where the trainer timed it (`train_s`), the bookkeeping around it apart (the
+    lease's and release's round trips, the stats calls behind the metrics)."""
+    n = len(measured)
+    if not all("train_s" in r for r in measured):
+        return {"train": rest_s / n}
+    train_s = sum(r["train_s"] for r in measured)
+    return {"train": train_s / n, "step_bookkeeping": (rest_s - train_s) / n}
+
+
 def summarize_mode(records: list[dict], warmup: int, target: float, window: int = 10) -> dict:
     measured = records[warmup:] or records
     step_s = sum(r["step_time_s"] for r in measured)
@@ -144,7 +155,7 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
         # Where a step's time goes, in seconds per step.
         "breakdown_s": {
             "wait_for_batch": wait_s / n,
-            "train": (step_s - wait_s - sync_s) / n,
+            **_train_breakdown(measured, step_s - wait_s - sync_s),
             "wait_for_rollout_pause": sync_wait_s / n,
             "weight_sync": (sync_s - sync_wait_s) / n,
         },

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -367,7 +368,11 @@ class RolloutWorker:
                 if left <= 0:
                     return []
                 self._events_cond.wait(left)
-            return [e for e in self._events if e.seq > since_seq]
+            # Sequence numbers are consecutive, so the events after since_seq are the
+            # log's newest ones: read from its end, not through the whole log (up to
+            # EVENT_LOG_SIZE) on every call.
+            newer = max(0, min(self._event_seq - since_seq, len(self._events)))
+            return list(itertools.islice(reversed(self._events), newer))[::-1]
 
     def _emit(self, group_id: str, sample_index: int, response_tokens: int = 0,
               prompt_tokens: int = 0, error: str = "") -> None:

@@ -257,8 +257,10 @@ class TrainLoop:
             try:
                 # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
                 #    must not see its samples handed back and trained again as fresh.
+                train_start = time.monotonic()
                 with self._lease_kept(batch):
                     stats, sample_stats = self._train_step(batch)
+                train_s = time.monotonic() - train_start
                 # 3. Release: the samples are trained; the buffer's replay filter sees
                 #    each one's training stats and decides whether it comes back.
                 self.replay.release(self.job_id, batch.lease_id, sample_stats)
@@ -276,7 +278,7 @@ class TrainLoop:
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
             rollout_now = self._rollout_totals()
-            record = self._metrics(batch, stats, wait_s, sync_s, sync_wait_s, step_s,
+            record = self._metrics(batch, stats, wait_s, train_s, sync_s, sync_wait_s, step_s,
                                    self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
@@ -388,8 +390,9 @@ class TrainLoop:
         sums = [sum(t[k] - b[k] for t, b in active) for k in range(4)]
         return [*sums, float(len(active))]
 
-    def _metrics(self, batch: Batch, stats, wait_s: float, sync_s: float, sync_wait_s: float,
-                 step_s: float, rollout_delta: list[float], wall_s: float) -> dict[str, Any]:
+    def _metrics(self, batch: Batch, stats, wait_s: float, train_s: float, sync_s: float,
+                 sync_wait_s: float, step_s: float, rollout_delta: list[float],
+                 wall_s: float) -> dict[str, Any]:
         loss_stats, grad_norm = stats
         rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
         trajs = batch.trajectories
@@ -444,6 +447,9 @@ class TrainLoop:
             "staleness_counts": histogram,
             "wall_time_s": wall_s,
             "batch_wait_s": wait_s,
+            # The optimisation itself (forward, backward, optimizer step, across the
+            # group); the rest of a step besides waits and the sync is bookkeeping.
+            "train_s": train_s,
             "weight_sync_s": sync_s,
             "sync_wait_s": sync_wait_s,
             "unused_pool_samples": buffer.unused_samples,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.tasks import Prompt
-from reflow.rollout.records import SampleEvent
+from reflow.rollout.records import SampleEvent, WeightUpdate
 
 
 @dataclass
@@ -24,16 +24,6 @@ class RolloutStats:
     preempted_requests_total: int = 0
     kv_cache_tokens: int = 0
     concurrency_cap: int = 0
-
-
-@dataclass
-class WeightUpdate:
-    """How long a rollout worker took to take a new version: `pause_s` until its
-    engine stopped generating (with partial rollout off, its samples in flight
-    finishing under the old weights first), `receive_s` loading the weights."""
-
-    pause_s: float
-    receive_s: float
 
 
 class GrpcRolloutClient:

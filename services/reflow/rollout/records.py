@@ -10,6 +10,16 @@ from reflow.core.types import Segment
 
 
 @dataclass
+class WeightUpdate:
+    """How long a rollout worker took to take a new version: `pause_s` until its
+    engine stopped generating (with partial rollout off, its samples in flight
+    finishing under the old weights first), `receive_s` loading the weights."""
+
+    pause_s: float
+    receive_s: float
+
+
+@dataclass
 class PartialSample:
     """A sample being generated: tokens, logprobs and version segments so far."""
 

@@ -53,12 +53,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def UpdateWeights(self, request, context):
         try:
-            pause_s, receive_s = self.service.update_weights(
+            update = self.service.update_weights(
                 request.job_id, request.policy_version, rpc.wait_budget_s(context))
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return rollout_pb2.UpdateWeightsReply(
-            policy_version=request.policy_version, pause_s=pause_s, receive_s=receive_s
+            policy_version=request.policy_version, pause_s=update.pause_s,
+            receive_s=update.receive_s
         )
 
     def GetStats(self, request, context):

@@ -15,7 +15,7 @@ from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.tasks import Prompt, build_task
-from reflow.rollout.records import RolloutCounters, SampleEvent
+from reflow.rollout.records import RolloutCounters, SampleEvent, WeightUpdate
 from reflow.rollout.worker import RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class RolloutService:
         self._running_worker_for(job_id).init_weight_sync(spec, timeout_s)
 
     def update_weights(self, job_id: str, policy_version: int,
-                       timeout_s: float) -> tuple[float, float]:
+                       timeout_s: float) -> WeightUpdate:
         return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,

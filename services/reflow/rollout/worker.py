@@ -29,7 +29,8 @@ from reflow.core.errors import FailedPrecondition
 from reflow.core.types import Trajectory, group_advantages
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
-from reflow.rollout.records import GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent
+from reflow.rollout.records import (GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent,
+                                     WeightUpdate)
 from reflow.rollout.tasks import Prompt, Task
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class RolloutWorker:
             self._sync_state = "ready"
         done.set_result(None)
 
-    def update_weights(self, policy_version: int, timeout_s: float = 600.0) -> tuple[float, float]:
+    def update_weights(self, policy_version: int, timeout_s: float = 600.0) -> WeightUpdate:
         """Load policy version `policy_version`, which must be the next one. A call for
         the version already being loaded joins that update (a retried or early call
         waits for the trainer's broadcast instead of starting a second one); any other
@@ -238,7 +239,7 @@ class RolloutWorker:
             raise TimeoutError(f"weight update to v{policy_version} not done within "
                                f"{timeout_s:.1f}s; it goes on, and a retry waits for it") from None
 
-    async def _update_weights(self, policy_version: int) -> tuple[float, float]:
+    async def _update_weights(self, policy_version: int) -> WeightUpdate:
         # Partial rollout (paper §4.1 step 4): in-flight requests stop at a token
         # boundary and are kept; tokens sampled after the pause belong to the new
         # version (the engine's label where it keeps them, else their arrival).
@@ -273,7 +274,7 @@ class RolloutWorker:
             "job %s: policy version %d loaded (pause %.3fs, receive %.3fs)",
             self.job_id, policy_version, t1 - t0, receive_s,
         )
-        return t1 - t0, receive_s
+        return WeightUpdate(pause_s=t1 - t0, receive_s=receive_s)
 
     # --- groups and events (called from gRPC threads) -------------------------------
 

@@ -54,7 +54,7 @@ def job_spec(model: str, flips: bool, state_handoff: str = "auto") -> dict:
     spec = {
         "name": f"flip-{'on' if flips else 'off'}", "mode": "reflow", "seed": 0,
         "model": {"path": str(MODELS_DIR / model), "build_if_missing": model},
-        "task": {"name": "repeat", "max_count": 48, "num_symbols": 6},
+        "task": {"name": "repeat", "args": {"max_count": 48, "num_symbols": 6}},
         "rollout": {"group_size": job["group"], "max_tokens": job["max_tokens"],
                     "kv_cache_gb": 1},
         "trainer": {"batch_size": job["batch"], "num_steps": job["steps"],

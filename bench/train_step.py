@@ -27,7 +27,7 @@ import torch
 from reflow.core.config import load_job_spec
 from reflow.core.types import Batch, Segment, Trajectory
 from reflow.models.tiny import build_tiny_qwen3
-from reflow.rollout.tasks import RepeatTask
+from reflow.tasks.repeat import RepeatTask
 from reflow.trainer.loop import TrainLoop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     base = load_job_spec(args.config)
     rng = random.Random(0)
-    task = RepeatTask(max_count=base.task.max_count, num_symbols=base.task.num_symbols, seed=0)
+    task = RepeatTask(**base.task.args)
     cap, b = base.rollout.max_tokens, base.trainer.batch_size
     mixes = {"task": [min(task.sample_count() * 2, cap) for _ in range(b)],  # "c c c": 2 tokens a word
              "uniform": [rng.randint(1, cap) for _ in range(b)]}

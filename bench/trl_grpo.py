@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.core.config import load_job_spec
     from reflow.models.tiny import ensure_model
-    from reflow.rollout.tasks import Prompt, build_task
+    from reflow.tasks import Prompt, build_task
 
     spec = load_job_spec(args.config, args.overrides)
     out = Path(args.out).absolute()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
 
     batch, group = spec.trainer.batch_size, spec.rollout.group_size
-    task = build_task(spec.task.name, spec.task.max_count, spec.task.num_symbols, spec.seed)
+    task = build_task(spec)  # the same prompt stream the job's dispatcher draws
     stream = task.prompts()
     prompts = [next(stream) for _ in range(spec.trainer.num_steps * batch // group)]
     dataset = Dataset.from_list([{"prompt": p.text, "prompt_id": p.prompt_id, "answer": p.answer}

@@ -27,6 +27,7 @@ def trajectory_to_proto(t: Trajectory) -> common_pb2.Trajectory:
         finish_reason=t.finish_reason,
         created_at=t.created_at,
         uses=t.uses,
+        reward_error=t.reward_error,
     )
 
 
@@ -45,6 +46,7 @@ def trajectory_from_proto(m: common_pb2.Trajectory) -> Trajectory:
         finish_reason=m.finish_reason,
         created_at=m.created_at,
         uses=m.uses,
+        reward_error=m.reward_error,
     )
 
 

@@ -19,7 +19,7 @@ SPEC = """
 name: elastic-e2e
 mode: reflow
 model: {{path: {model}}}
-task: {{name: repeat, max_count: 16, num_symbols: 4}}
+task: {{name: repeat, args: {{max_count: 16, num_symbols: 4}}}}
 rollout: {{group_size: 4, max_tokens: 24, kv_cache_gb: 1}}
 trainer: {{batch_size: 16, num_steps: 40, learning_rate: 0.001}}
 replay: {{replay_cap: 0.5, max_staleness: 1}}

@@ -14,7 +14,8 @@ from reflow.procs import free_port
 from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.rollout.tasks import RepeatTask
+from reflow.tasks import TaskContext
+from reflow.tasks.repeat import RepeatTask
 from reflow.weightsync import make_group, send_weights, specs_of
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
     replay.configure("partial", spec.replay)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     worker = RolloutWorker(
-        "partial", spec, _vllm_factory(spec), RepeatTask(seed=0), replay,
+        "partial", spec, _vllm_factory(spec), RepeatTask(context=TaskContext(seed=0)), replay,
         encode=lambda s: tokenizer.encode(s, add_special_tokens=False),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
@@ -66,7 +67,7 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
         worker.init_weight_sync(sync)
         t.join()
         # What the job's dispatcher would do: two groups fill the 8 slots.
-        prompts = RepeatTask(seed=0).prompts()
+        prompts = RepeatTask(context=TaskContext(seed=0)).prompts()
         for i in range(2):
             assert worker.submit_group(f"g{i}", next(prompts), 8)
         # Wait until samples are mid-generation, then swap in model B as version 1.

@@ -15,7 +15,8 @@ from reflow.replay.store import ReplayStore
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.rollout.server import serve as serve_rollout
 from reflow.rollout.service import RolloutService
-from reflow.rollout.tasks import build_task
+from reflow.tasks import TaskContext
+from reflow.tasks.repeat import RepeatTask
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.trainer.client import GrpcTrainerClient
 from reflow.trainer.server import serve as serve_trainer
@@ -68,7 +69,7 @@ def test_short_job_trains_and_syncs_weights_exactly(redis_server, redis_client, 
     replay = GrpcReplayClient(replay_addr)
     dispatcher = Dispatcher("it", spec, GrpcReplayClient(replay_addr),
                             dict(zip(rollout_addrs, rollouts)),
-                            build_task("repeat", spec.task.max_count, spec.task.num_symbols, 1))
+                            RepeatTask(**spec.task.args, context=TaskContext(seed=1)))
     try:
         for rank, client in enumerate(rollouts, start=1):
             client.start_job("it", spec.model_dump_json(), replay_addr, rank, 3, "127.0.0.1")

@@ -38,7 +38,7 @@ def test_batch_must_hold_whole_groups():
     assert "multiple of rollout.group_size" in str(err.value)
 
 
-def test_overrides_are_typed_and_at_most_two_deep():
+def test_overrides_are_typed_and_at_most_three_deep():
     data = apply_overrides(_minimal(), ["trainer.learning_rate=1e-4", "trainer.num_steps=7",
                                         "model.build_if_missing=null", "name=abc"])
     spec = parse_job_spec(data)
@@ -47,6 +47,11 @@ def test_overrides_are_typed_and_at_most_two_deep():
     assert spec.model.build_if_missing is None
     assert spec.name == "abc"
     with pytest.raises(JobSpecError, match="at most section.field"):
-        apply_overrides(_minimal(), ["a.b.c=1"])
+        apply_overrides(_minimal(), ["a.b.c.d=1"])
+    # A plug-in's arguments are the one third level: section.args.name.
+    spec = parse_job_spec(apply_overrides(_minimal(), ["task.args.max_count=16"]))
+    assert spec.task.args == {"max_count": 16}
+    with pytest.raises(JobSpecError, match="task.args.bogus"):
+        parse_job_spec(apply_overrides(_minimal(), ["task.args.bogus=1"]))
     with pytest.raises(JobSpecError, match="dotted.key=value"):
         apply_overrides(_minimal(), ["trainer.num_steps"])

@@ -9,7 +9,8 @@ import time
 from reflow.core.config import parse_job_spec
 from reflow.rollout.client import RolloutStats
 from reflow.rollout.engine import TokenDelta
-from reflow.rollout.tasks import build_task
+from reflow.tasks import TaskContext
+from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.worker import RolloutWorker
 from reflow.scheduler.dispatch import Dispatcher
 
@@ -89,11 +90,11 @@ def _spec(**sections):
 def _run(spec, engines, budget, until, timeout_s=30.0):
     clients = {}
     for i, engine in enumerate(engines):
-        worker = RolloutWorker("j", spec, lambda e=engine: e, build_task("repeat", 8, 3, seed=i),
+        worker = RolloutWorker("j", spec, lambda e=engine: e, RepeatTask(8, 3, context=TaskContext(seed=i)),
                                budget, encode=lambda text: [1, 2], decode=lambda ids: "a")
         worker.start()
         clients[f"w{i}"] = OneWorker(worker)
-    dispatcher = Dispatcher("j", spec, budget, clients, build_task("repeat", 8, 3, seed=1))
+    dispatcher = Dispatcher("j", spec, budget, clients, RepeatTask(8, 3, context=TaskContext(seed=1)))
     dispatcher.start()
     try:
         deadline = time.monotonic() + timeout_s

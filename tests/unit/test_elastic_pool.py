@@ -12,7 +12,8 @@ import pytest
 
 from reflow.core.config import parse_job_spec
 from reflow.core.errors import FailedPrecondition
-from reflow.rollout.tasks import build_task
+from reflow.tasks import TaskContext
+from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.worker import RolloutWorker
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.elastic import ElasticPool
@@ -82,13 +83,13 @@ def pool_job(request):
     for i in (1, 2):
         engines[f"w{i}"] = StaggeredEngine(0.02)
         worker = RolloutWorker("j", spec, lambda e=engines[f"w{i}"]: e,
-                               build_task("repeat", 8, 3, seed=i), budget,
+                               RepeatTask(8, 3, context=TaskContext(seed=i)), budget,
                                encode=lambda text: [1, 2], decode=lambda ids: "a")
         worker.start()
         clients[f"w{i}"] = OneWorker(worker)
         hybrids[i] = HybridWorker(EngineSide(worker), trainer=None)
         sources[f"w{i}"] = worker
-    dispatcher = Dispatcher("j", spec, budget, clients, build_task("repeat", 8, 3, seed=1))
+    dispatcher = Dispatcher("j", spec, budget, clients, RepeatTask(8, 3, context=TaskContext(seed=1)))
     leader, events = Leader(), []
     pool = ElasticPool("j", spec, ["w0", "w1", "w2"], leader, dispatcher,
                        worker_client_factory=lambda a: RoleClient(hybrids[int(a[1])]),
@@ -136,7 +137,7 @@ def test_flips_move_a_worker_both_ways_without_losing_samples(pool_job):
     time.sleep(0.3)
     assert len(clients["w2"].prompts) == submitted  # never routed to while a trainer
     with pytest.raises(Exception, match="trainer role"):
-        sources["w2"].submit_group("g-late", next(build_task("repeat", 8, 3, seed=9).prompts()))
+        sources["w2"].submit_group("g-late", next(RepeatTask(8, 3, context=TaskContext(seed=9)).prompts()))
     before_w1 = len(clients["w1"].prompts)
     _wait(lambda: len(clients["w1"].prompts) > before_w1 + 3)  # w1 carries the job alone
 

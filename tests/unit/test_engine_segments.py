@@ -14,7 +14,8 @@ from reflow.core.config import parse_job_spec
 from reflow.core.types import Segment
 from reflow.rollout.engine import EngineLoad, TokenDelta
 from reflow.rollout.records import PartialSample
-from reflow.rollout.tasks import build_task
+from reflow.tasks import TaskContext
+from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.vllm_engine import _segments
 from tests.unit.fake_engines import PausableEngine
 
@@ -96,12 +97,12 @@ def test_worker_takes_the_engines_segments_and_token_count():
                            "rollout": {"group_size": 2}, "trainer": {"batch_size": 4}})
     engine = LabellingEngine()
     puts = Puts()
-    worker = RolloutWorker("j", spec, lambda: engine, build_task("repeat", 8, 3, seed=0), puts,
+    worker = RolloutWorker("j", spec, lambda: engine, RepeatTask(8, 3, context=TaskContext(seed=0)), puts,
                            encode=lambda text: [1, 2], decode=lambda ids: "a")
     worker.start()
     worker.wait_ready(10)
     try:
-        assert worker.submit_group("g", next(build_task("repeat", 8, 3, seed=0).prompts()))
+        assert worker.submit_group("g", next(RepeatTask(8, 3, context=TaskContext(seed=0)).prompts()))
         time.sleep(0.1)
         update = threading.Thread(target=lambda: worker.call(worker._update_weights(1), 10))
         update.start()

@@ -5,7 +5,7 @@ from prometheus_client import generate_latest
 from reflow.core.config import parse_job_spec
 from reflow.rollout.engine import EngineLoad
 from reflow.rollout.metrics import rollout_registry
-from reflow.rollout.tasks import RepeatTask
+from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.worker import RolloutWorker
 
 

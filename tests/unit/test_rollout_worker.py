@@ -29,7 +29,8 @@ def test_without_partial_rollout_an_update_waits_for_started_samples_only():
     import time
 
     from reflow.rollout.engine import TokenDelta
-    from reflow.rollout.tasks import build_task
+    from reflow.tasks import TaskContext
+    from reflow.tasks.repeat import RepeatTask
     from reflow.rollout.worker import RolloutWorker
 
     class Engine(PausableEngine):
@@ -49,11 +50,11 @@ def test_without_partial_rollout_an_update_waits_for_started_samples_only():
     spec = parse_job_spec({"model": {"path": "/m"}, "mode": "one_step_off",
                            "rollout": {"group_size": 2}, "trainer": {"batch_size": 4}})
     puts = Puts()
-    worker = RolloutWorker("j", spec, Engine, build_task("repeat", 8, 3, seed=0), puts,
+    worker = RolloutWorker("j", spec, Engine, RepeatTask(8, 3, context=TaskContext(seed=0)), puts,
                            encode=lambda text: [1, 2], decode=lambda ids: "a")
     worker.start()
     worker.wait_ready(10)
-    prompts = build_task("repeat", 8, 3, seed=0).prompts()
+    prompts = RepeatTask(8, 3, context=TaskContext(seed=0)).prompts()
     try:
         assert worker.submit_group("old", next(prompts))
         time.sleep(0.05)  # generating under v0
@@ -84,13 +85,14 @@ def test_event_log_reads_return_exactly_the_events_after_the_reader(monkeypatch)
     read returns the events after it in order, a reader that fell behind the log gets
     what the log still holds, and a reader at the head waits and gets none."""
     from reflow.rollout import worker as worker_module
-    from reflow.rollout.tasks import build_task
+    from reflow.tasks import TaskContext
+    from reflow.tasks.repeat import RepeatTask
     from reflow.rollout.worker import RolloutWorker
 
     monkeypatch.setattr(worker_module, "EVENT_LOG_SIZE", 8)
     spec = parse_job_spec({"model": {"path": "/m"}, "rollout": {"group_size": 2},
                            "trainer": {"batch_size": 4}})
-    worker = RolloutWorker("j", spec, PausableEngine, build_task("repeat", 8, 3, seed=0),
+    worker = RolloutWorker("j", spec, PausableEngine, RepeatTask(8, 3, context=TaskContext(seed=0)),
                            None, encode=lambda text: [1], decode=lambda ids: "a")
     for i in range(5):
         worker._emit(f"g{i}", 0, response_tokens=i)

@@ -3,7 +3,8 @@ import statistics
 import pytest
 
 from reflow.core.types import Segment, Trajectory, group_advantages
-from reflow.rollout.tasks import Prompt, RepeatTask
+from reflow.tasks import Prompt, TaskContext
+from reflow.tasks.repeat import RepeatTask
 
 
 def test_group_advantages_are_normalised_and_zero_for_flat_groups():
@@ -24,7 +25,7 @@ def test_trajectory_rejects_misaligned_fields_and_tracks_oldest_version():
 
 
 def test_repeat_task_rewards():
-    task = RepeatTask(max_count=48, num_symbols=6, seed=0)
+    task = RepeatTask(max_count=48, num_symbols=6, context=TaskContext(seed=0))
     prompt = Prompt("p", "c x 3 =", "c:3")
     assert task.reward(prompt, "c c c") == 1.0
     assert task.reward(prompt, "") == 0.0
@@ -36,7 +37,7 @@ def test_repeat_task_rewards():
 
 
 def test_repeat_task_lengths_are_long_tailed():
-    task = RepeatTask(max_count=48, num_symbols=6, seed=1)
+    task = RepeatTask(max_count=48, num_symbols=6, context=TaskContext(seed=1))
     prompts = task.prompts()
     counts = [int(next(prompts).answer.split(":")[1]) for _ in range(4000)]
     median = statistics.median(counts)

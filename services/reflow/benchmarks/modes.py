@@ -78,7 +78,7 @@ SYNC_ENTRIES = ("sync", "sync_split")
 # and room for 256 tokens, so generation of a batch is dominated by its stragglers.
 WORKLOADS: dict[str, list[str]] = {
     "balanced": ["trainer.num_steps=40"],
-    "rollout_bound": ["task.max_count=320", "rollout.max_tokens=256", "trainer.num_steps=25"],
+    "rollout_bound": ["task.args.max_count=320", "rollout.max_tokens=256", "trainer.num_steps=25"],
 }
 REPO = Path(__file__).resolve().parents[3]
 TRL_ENTRY = "trl"

@@ -14,25 +14,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from reflow.core import plugins
 from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part of the spec
-
-# Plug-in arguments: a few scalars. Bounded, so a spec cannot smuggle a megabyte
-# of arguments into every service that parses it.
-PluginArgs = Annotated[
-    dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")],
-         bool | int | float | Annotated[str, StringConstraints(max_length=256)]],
-    Field(max_length=32),
-]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
+from reflow.core.task_config import TaskConfig
+from reflow.core.trainer_config import TrainerConfig
 
 
 class ModelConfig(_Section):
@@ -56,20 +47,6 @@ class ModelConfig(_Section):
     )
 
 
-class TaskConfig(_Section):
-    """The environment: prompts and the reward function."""
-
-    name: Literal["repeat"] = Field(
-        default="repeat", description="Built-in task name (see reflow.rollout.tasks)."
-    )
-    max_count: int = Field(
-        default=48, ge=1, le=512, description="Largest repetition count a prompt may ask for."
-    )
-    num_symbols: int = Field(
-        default=6, ge=2, le=26, description="How many distinct symbols prompts draw from."
-    )
-
-
 class LengthStage(_Section):
     """One stage of a response-length curriculum (as DeepScaleR grows its context
     8k -> 16k -> 24k): from a policy version on, responses are generated with
@@ -87,7 +64,10 @@ class RolloutConfig(_Section):
     """Generation settings (paper §4.1 step 2)."""
 
     group_size: int = Field(
-        default=8, ge=1, le=256, description="Samples per prompt (a GRPO group, n). 1 for PPO."
+        default=8, ge=1, le=256,
+        description="Samples per prompt (a GRPO group, n). At least 2: the advantage is a "
+        "reward minus its group's mean, so a group of one always has advantage 0 and trains "
+        "nothing."
     )
     max_tokens: int = Field(default=64, ge=1, le=131072, description="Response length limit.")
     temperature: float = Field(default=1.0, gt=0.0, le=4.0, description="Sampling temperature.")
@@ -133,6 +113,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check_length_schedule(self) -> RolloutConfig:
+        if self.group_size == 1:
+            raise ValueError("rollout.group_size: 1 trains nothing: a GRPO advantage is the "
+                             "reward minus its group's mean, which for a group of one is always "
+                             "0; use 2 or more samples per prompt")
         last = 0
         for i, stage in enumerate(self.length_schedule):
             if stage.from_version <= last:
@@ -156,39 +140,6 @@ class RolloutConfig(_Section):
     def longest_response(self) -> int:
         """The longest response any stage allows."""
         return max([self.max_tokens, *(s.max_tokens for s in self.length_schedule)])
-
-
-class TrainerConfig(_Section):
-    """Optimisation settings (paper §4.1 step 3)."""
-
-    batch_size: int = Field(
-        default=64, ge=1, le=65536, description="b: trajectories per training step."
-    )
-    num_steps: int = Field(default=100, ge=1, le=100_000_000,
-                           description="Training steps before the job ends.")
-    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
-    clip_eps: float = Field(
-        default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
-    )
-    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient clipping norm.")
-    max_tokens_per_micro_batch: int | None = Field(
-        default=2048, ge=1, le=16_777_216,
-        description="Padded tokens per forward/backward pass: a step's batch is sorted by "
-        "length and cut into micro-batches of at most this many (sequences x longest), whose "
-        "gradients accumulate into one optimizer step, as verl's `use_dynamic_bsz` with "
-        "`ppo_max_token_len_per_gpu`. Cuts padding on long-tailed lengths and bounds "
-        "activation memory; the gradient is the whole batch's. A sequence longer than this "
-        "gets a micro-batch of its own. None: the whole batch in one pass.",
-    )
-    sync_interval: int = Field(
-        default=1, ge=1, le=1_000_000,
-        description="Publish a new policy version every this many steps."
-    )
-    batch_timeout_s: float = Field(
-        default=600.0, gt=0.0, le=86_400.0,
-        description="Longest wait for a batch before the job fails."
-    )
 
 
 class ReplayConfig(_Section):
@@ -561,14 +512,16 @@ def _coerce_scalar(text: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.field=value` overrides to a raw spec dict (before validation)."""
+    """Apply `section.field=value` overrides to a raw spec dict (before validation);
+    a plug-in's arguments are one level further (`task.args.max_count=16`)."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise JobSpecError(f"override {item!r}: expected dotted.key=value")
         parts = key.split(".")
-        if len(parts) > 2:
-            raise JobSpecError(f"override {key!r}: specs are at most section.field deep")
+        if len(parts) > 3 or any(not part for part in parts):
+            raise JobSpecError(f"override {key!r}: specs are at most section.field deep "
+                               "(section.args.name for a plug-in's arguments)")
         node = data
         for part in parts[:-1]:
             child = node.setdefault(part, {})

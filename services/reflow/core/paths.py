@@ -2,8 +2,9 @@
 under a root the operator configured, and is refused, naming its field,
 otherwise.
 
-Two roots: runs (`REFLOW_RUNS_DIR`: run directories, metrics, checkpoints,
-logs) and models (`REFLOW_MODELS_DIR`: model directories). A path is resolved
+Three roots: runs (`REFLOW_RUNS_DIR`: run directories, metrics, checkpoints,
+logs), models (`REFLOW_MODELS_DIR`: model directories) and datasets
+(`REFLOW_DATASETS_DIR`: the files a task reads its prompts from). A path is resolved
 the way the operating system would open it, `..` and symlinks included, and
 must then lie strictly below its root; a relative path is taken relative to
 the root. Each service checks with its own roots on its own filesystem, so a
@@ -19,8 +20,10 @@ from pathlib import Path
 
 RUNS_ROOT_ENV = "REFLOW_RUNS_DIR"
 MODELS_ROOT_ENV = "REFLOW_MODELS_DIR"
+DATASETS_ROOT_ENV = "REFLOW_DATASETS_DIR"
 DEFAULT_RUNS_ROOT = "runs"
 DEFAULT_MODELS_ROOT = ".reflow/models"
+DEFAULT_DATASETS_ROOT = ".reflow/datasets"
 
 
 def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], field: str,
@@ -46,17 +49,33 @@ class PathRoots:
 
     runs: Path
     models: Path
+    datasets: Path = Path(DEFAULT_DATASETS_ROOT).absolute()
 
     @classmethod
     def from_env(cls) -> PathRoots:
         return cls(runs=Path(os.environ.get(RUNS_ROOT_ENV) or DEFAULT_RUNS_ROOT).absolute(),
-                   models=Path(os.environ.get(MODELS_ROOT_ENV) or DEFAULT_MODELS_ROOT).absolute())
+                   models=Path(os.environ.get(MODELS_ROOT_ENV) or DEFAULT_MODELS_ROOT).absolute(),
+                   datasets=datasets_root())
 
     def run_dir(self, path: str | os.PathLike[str], field: str = "run_dir") -> Path:
         return confine(path, self.runs, field, RUNS_ROOT_ENV)
 
     def model_dir(self, path: str | os.PathLike[str], field: str = "model.path") -> Path:
         return confine(path, self.models, field, MODELS_ROOT_ENV)
+
+
+def datasets_root() -> Path:
+    """The operator's datasets root, as `reflow serve` reads it."""
+    return Path(os.environ.get(DATASETS_ROOT_ENV) or DEFAULT_DATASETS_ROOT).absolute()
+
+
+def dataset_file(path: str | os.PathLike[str], root: str | os.PathLike[str], field: str) -> Path:
+    """A dataset file a spec names: confined under the datasets root, and a file."""
+    real = confine(path, root, field, DATASETS_ROOT_ENV)
+    if not real.is_file():
+        raise ValueError(f"{field}: {os.fspath(path)!r} is not a file under the datasets root "
+                         f"{os.path.realpath(root)} ({DATASETS_ROOT_ENV})")
+    return real
 
 
 _ADDRESS = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,253}:[0-9]{1,5}")

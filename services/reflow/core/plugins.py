@@ -15,7 +15,7 @@ in a class attribute `Args`; the spec's arguments are validated against it
 (unknown keys refused) before the class is instantiated with them as keywords.
 
 This module imports neither torch nor grpc, and knows nothing of what a
-sampler or filter does: `reflow.replay.plugins` and `reflow.rollout.tasks` hold
+sampler, filter or task does: `reflow.replay.plugins` and `reflow.tasks` hold
 the built-ins.
 """
 
@@ -45,7 +45,8 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "sampler": Kind("sampler", "reflow.samplers", ("rank",)),
     "replay_filter": Kind("replay_filter", "reflow.replay_filters", ("keep",)),
-    "task": Kind("task", "reflow.tasks", ("prompts", "reward")),
+    # A task also has `reward` (single-turn) or `environment` (multi-turn): reflow.tasks.
+    "task": Kind("task", "reflow.tasks", ("prompts", "eval_prompts")),
 }
 
 # Built-ins, as fixed references into this package (never taken from a spec).
@@ -61,7 +62,11 @@ BUILTINS: dict[str, dict[str, str]] = {
         "non_zero_advantage": "reflow.replay.plugins:NonZeroAdvantage",
     },
     "task": {
-        "repeat": "reflow.rollout.tasks:RepeatTask",
+        "repeat": "reflow.tasks.repeat:RepeatTask",
+        "math": "reflow.tasks.math:MathTask",
+        "reasoning_gym": "reflow.tasks.gym:ReasoningGymTask",
+        "guess_number": "reflow.tasks.games:GuessNumberTask",
+        "calculator": "reflow.tasks.calculator:CalculatorTask",
     },
 }
 

@@ -39,6 +39,9 @@ class Trajectory:
     created_at: float = 0.0
     # Times trained on before this batch: 0 for unused samples, > 0 for replayed.
     uses: int = 0
+    # Why the sample has no reward ("" when it was scored); such a sample carries
+    # an all-zero loss_mask, so it adds nothing to the loss or its normalisation.
+    reward_error: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.rollout.tasks import Prompt
+from reflow.tasks import Prompt
 from reflow.rollout.records import SampleEvent, WeightUpdate
 
 

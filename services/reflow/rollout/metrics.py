@@ -37,6 +37,17 @@ class RolloutCollector:
             metric = family(name, doc, labels=["job_id"])
             metric.add_metric([worker.job_id], value)
             yield metric
+        scored = CounterMetricFamily("reflow_rollout_scored_samples", "Samples scored.",
+                                     labels=["job_id"])
+        scored.add_metric([worker.job_id], c.scored_samples_total)
+        yield scored
+        errors = CounterMetricFamily(
+            "reflow_rollout_reward_errors", "Samples without a reward, by reason (exception, "
+            "timeout, non_finite, crashed, env_exception, env_timeout); excluded from the loss.",
+            labels=["job_id", "reason"])
+        for reason, n in sorted(c.reward_errors_total.items()):
+            errors.add_metric([worker.job_id, reason], n)
+        yield errors
         # The engine's own queue (vLLM scheduler stats), when the engine reports it.
         load = getattr(worker.engine, "load", None)
         if load is not None:

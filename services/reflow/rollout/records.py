@@ -65,6 +65,9 @@ class RolloutCounters:
     kv_cache_tokens: int = 0
     # The concurrency cap the dispatcher last gave this worker.
     concurrency_cap: int = 0
+    # Samples scored, and those without a reward by reason (rollout/scoring.py).
+    scored_samples_total: int = 0
+    reward_errors_total: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

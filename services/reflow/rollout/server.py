@@ -8,7 +8,7 @@ from reflow import rpc
 from reflow.core.config import JobSpec
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.service import RolloutService
-from reflow.rollout.tasks import Prompt
+from reflow.tasks import Prompt
 from reflow.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 

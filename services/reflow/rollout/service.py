@@ -1,7 +1,7 @@
 """The rollout service's core: one rollout worker per job on this process.
 
-Builds the job's engine, task and tokenizer, and hands weight-sync and stats
-requests to the worker. Transport lives in `server.py`.
+Builds the job's engine, task, tokenizer and reward pool, and hands weight-sync
+and stats requests to the worker. Transport lives in `server.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from reflow.core.errors import FailedPrecondition
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
-from reflow.rollout.tasks import Prompt, build_task
 from reflow.rollout.records import RolloutCounters, SampleEvent, WeightUpdate
 from reflow.rollout.worker import RolloutWorker
+from reflow.tasks import ChatTask, Prompt, build_task, is_multi_turn, task_context
+from reflow.tasks.rewards import RewardPool
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,22 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
     return build
 
 
+def prompt_encoder(task, tokenizer):
+    """How a prompt becomes token ids: through the model's own chat template for a
+    task that gives chat messages (instruct models), else its text as it is."""
+    if isinstance(task, ChatTask):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.name: this task talks to an instruct model, but the model's "
+                             "tokenizer has no chat template")
+
+        def encode(prompt: Prompt) -> list[int]:
+            return list(tokenizer.apply_chat_template(task.prompt_messages(prompt),
+                                                      add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
+        return encode
+    return lambda prompt: tokenizer.encode(prompt.text, add_special_tokens=False)
+
+
 # Largest weight-sync group a job may have (trainer + rollout workers).
 MAX_GROUP_SIZE = 4096
 # Bounds on what a SubmitGroup may carry, and on a WaitSamples wait.
@@ -61,6 +78,7 @@ class RolloutService:
         self._lock = threading.Lock()
         self.worker: RolloutWorker | None = None
         self._replay: ReplayClient | None = None
+        self._rewards: RewardPool | None = None
 
     def start_job(self, job_id: str, spec: JobSpec, replay_address: str, weight_sync_rank: int,
                   weight_sync_world_size: int, trainer_host: str) -> None:
@@ -95,18 +113,24 @@ class RolloutService:
                 str(model_path), local_files_only=True)
             self._replay = self._replay_client_factory(replay_address)
             seed = worker_seed(spec, weight_sync_rank)
-            task = build_task(
-                spec.task.name, spec.task.max_count, spec.task.num_symbols, seed=seed + 1
-            )
+            task = build_task(spec, self.roots.datasets)
+            encode = prompt_encoder(task, tokenizer)
+            self._close_rewards()
+            if not is_multi_turn(task):
+                # Rewards in processes of their own, off the worker's event loop.
+                self._rewards = RewardPool(spec.task.name, spec.task.args,
+                                           task_context(spec, self.roots.datasets),
+                                           spec.task.reward_workers, spec.task.reward_timeout_s)
             self.worker = RolloutWorker(
                 job_id,
                 spec,
                 self._engine_factory(spec, seed),
                 task,
                 self._replay,
-                encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                encode=encode,
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 weight_sync=(weight_sync_rank, weight_sync_world_size, trainer_host),
+                score=self._rewards.score if self._rewards is not None else None,
             )
             self.worker.start()
             logger.info("job %s: rollout starting", job_id)
@@ -129,6 +153,12 @@ class RolloutService:
         worker.stop()
         if self._replay is not None:
             self._replay.close()
+        self._close_rewards()
+
+    def _close_rewards(self) -> None:
+        if self._rewards is not None:
+            self._rewards.close()
+            self._rewards = None
 
     def init_weight_sync(self, job_id: str, spec: WeightSyncSpec, timeout_s: float) -> None:
         self._running_worker_for(job_id).init_weight_sync(spec, timeout_s)
@@ -178,3 +208,4 @@ class RolloutService:
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        self._close_rewards()

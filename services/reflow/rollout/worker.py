@@ -26,12 +26,12 @@ from collections.abc import Callable
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
-from reflow.core.types import Trajectory, group_advantages
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
 from reflow.rollout.records import (GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent,
                                      WeightUpdate)
-from reflow.rollout.tasks import Prompt, Task
+from reflow.rollout.scoring import ErrorWindow, Scorer, group_trajectories, score_inline, score_texts
+from reflow.tasks.base import Prompt, Task
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,16 @@ class RolloutWorker:
         engine_factory: Callable[[], GenerationEngine],
         task: Task,
         replay: ReplayClient,
-        encode: Callable[[str], list[int]],
+        encode: Callable[[Prompt], list[int]],
         decode: Callable[[list[int]], str],
         weight_sync: tuple[int, int, str] = (1, 2, "127.0.0.1"),
+        score: Scorer | None = None,
     ) -> None:
-        """`weight_sync`: this worker's rank in the job's weight-sync group, the
-        group's size, and the trainer's host; set by the scheduler at start."""
+        """`encode` renders a prompt to token ids (the model's chat template for a
+        chat task); `score` rewards a decoded response (the service's reward pool;
+        None: in this thread, without a timeout). `weight_sync`: this worker's rank
+        in the job's weight-sync group, the group's size, and the trainer's host;
+        set by the scheduler at start."""
         self.job_id = job_id
         self.spec = spec
         self.engine_factory = engine_factory
@@ -68,6 +72,9 @@ class RolloutWorker:
         self.replay = replay
         self.encode = encode
         self.decode = decode
+        self.score = score or score_inline(task)
+        self.reward_errors = ErrorWindow(spec.task.max_reward_error_rate,
+                                         spec.task.reward_error_window)
         self.ready = threading.Event()
         self.counters = RolloutCounters()
         self.state = "idle"
@@ -428,7 +435,7 @@ class RolloutWorker:
     async def _run_group(self, group_id: str, prompt: Prompt, sampling: SamplingSpec) -> None:
         group_size = self.spec.rollout.group_size
         try:
-            prompt_ids = self.encode(prompt.text)
+            prompt_ids = self.encode(prompt)
         except Exception as err:  # noqa: BLE001 - no sample started: give every slot back
             self._free_slots(group_size)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
@@ -447,7 +454,7 @@ class RolloutWorker:
                 *(self._run_sample(group_id, i, prompt_ids, holding, sampling)
                   for i in range(group_size))
             )
-            trajectories = self._score(group_id, prompt, prompt_ids, samples)
+            trajectories = await self._score(group_id, prompt, prompt_ids, samples)
             # Finished: from here the group goes to the buffer, never back (_hand_back).
             self._putting.add(group_id)
             try:
@@ -500,28 +507,26 @@ class RolloutWorker:
                 self._idle_since = time.monotonic()
                 self._events_cond.notify_all()  # a drain (set_standby) waits for this
 
-    def _score(
-        self, group_id: str, prompt: Prompt, prompt_ids: list[int], samples: list[PartialSample]
-    ) -> list[Trajectory]:
-        rewards = [self.task.reward(prompt, self.decode(s.response_ids)) for s in samples]
-        advantages = group_advantages(rewards)
-        now = time.time()
-        return [
-            Trajectory(
-                sample_id=f"{group_id}-{i}",
-                group_id=group_id,
-                prompt_ids=prompt_ids,
-                response_ids=s.response_ids,
-                logprobs=s.logprobs,
-                loss_mask=[1] * len(s.response_ids),
-                segments=s.segments,
-                reward=r,
-                advantage=a,
-                finish_reason=s.finish_reason,
-                created_at=now,
-            )
-            for i, (s, r, a) in enumerate(zip(samples, rewards, advantages))
-        ]
+    async def _score(self, group_id: str, prompt: Prompt, prompt_ids: list[int],
+                     samples: list[PartialSample]):
+        """Rewards off the event loop (reflow.tasks.rewards); a sample without one is
+        excluded from the loss (rollout/scoring.py), and past the job's error rate
+        the worker fails with the counts."""
+        results = await score_texts(self.score, prompt,
+                                    [self.decode(s.response_ids) for s in samples])
+        self._count_rewards(results)
+        return group_trajectories(group_id, prompt_ids, samples, results)
+
+    def _count_rewards(self, results) -> None:
+        self.counters.scored_samples_total += len(results)
+        for r in results:
+            if r.error:
+                logger.warning("job %s: sample without reward (%s: %s)", self.job_id, r.error,
+                               r.message)
+        verdict = self.reward_errors.add(results)
+        self.counters.reward_errors_total = dict(self.reward_errors.totals)
+        if verdict:
+            raise RuntimeError(verdict)
 
     async def _hand_back(self) -> int:
         tasks = [t for t in self._group_tasks

@@ -36,7 +36,7 @@ from typing import Protocol
 from reflow.core.config import JobSpec
 from reflow.replay.client import ReplayClient
 from reflow.rollout.client import RolloutStats
-from reflow.rollout.tasks import Prompt, Task
+from reflow.tasks import Prompt, Task
 from reflow.rollout.records import GROUP_RETURNED, SampleEvent
 from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
                                          route)

@@ -23,7 +23,7 @@ from reflow.core.limits import OperatorLimits
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
-from reflow.rollout.tasks import build_task
+from reflow.tasks import build_task, check_task
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
@@ -89,6 +89,9 @@ class Scheduler:
                              "roles only; leave cluster.workers out")
         model_path = self.roots.model_dir(spec.model.path)
         spec.model.path = str(model_path)
+        # The files the task reads (a dataset under the datasets root, its columns),
+        # before anything starts.
+        check_task(spec, self.roots.datasets)
         job_id = job_id or f"{spec.name[:54]}-{uuid.uuid4().hex[:8]}"
         record = JobRecord(
             job_id=job_id, name=spec.name, spec_json=spec.model_dump_json(),
@@ -220,8 +223,7 @@ class Scheduler:
                           standby: set[str] | None = None) -> Dispatcher:
         """The job's one dispatcher (reflow.scheduler.dispatch): its prompt stream,
         seeded once for the job, and every rollout worker to route to."""
-        task = build_task(spec.task.name, spec.task.max_count, spec.task.num_symbols,
-                          seed=spec.seed + 1)
+        task = build_task(spec, self.roots.datasets)
         dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
                                 dict(zip(placement.rollout_addresses, rollouts)), task,
                                 events_path=run_dir / "scheduler_events.jsonl",

@@ -1,0 +1,62 @@
+"""The trainer's section of the job spec (paper §4.1 step 3)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from reflow.core.sections import _Section
+
+
+class TrainerConfig(_Section):
+    """Optimisation settings (paper §4.1 step 3)."""
+
+    batch_size: int = Field(
+        default=64, ge=1, le=65536, description="b: trajectories per training step."
+    )
+    num_steps: int = Field(default=100, ge=1, le=100_000_000,
+                           description="Training steps before the job ends.")
+    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    clip_eps: float = Field(
+        default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient clipping norm.")
+    max_tokens_per_micro_batch: int | None = Field(
+        default=2048, ge=1, le=16_777_216,
+        description="Padded tokens per forward/backward pass: a step's batch is sorted by "
+        "length and cut into micro-batches of at most this many (sequences x longest), whose "
+        "gradients accumulate into one optimizer step, as verl's `use_dynamic_bsz` with "
+        "`ppo_max_token_len_per_gpu`. Cuts padding on long-tailed lengths and bounds "
+        "activation memory; the gradient is the whole batch's. A sequence longer than this "
+        "gets a micro-batch of its own. None: the whole batch in one pass.",
+    )
+    logprob_chunk_tokens: int | None = Field(
+        default=1024, ge=1, le=1_048_576,
+        description="Positions whose full-vocabulary logits exist at once when the trainer "
+        "scores tokens: log-probabilities come from the model's last hidden states, this many "
+        "positions at a time, each chunk's logits recomputed in the backward pass instead of "
+        "kept (as Liger's fused linear cross-entropy does, unfused). Bounds the logits' "
+        "memory at chunk x vocabulary floats instead of micro-batch tokens x vocabulary. "
+        "None: one full forward to logits, as a plain Hugging Face loss does.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each transformer block's activations in the backward pass "
+        "instead of keeping them (Hugging Face gradient checkpointing, non-reentrant): less "
+        "memory per micro-batch token for about one more forward pass of compute.",
+    )
+    kl_coef: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="β: weight of a KL penalty to the frozen initial model, added to the loss "
+        "per policy token with the k3 estimator exp(ref - new) - (ref - new) - 1 (verl's "
+        "`use_kl_loss` with `kl_loss_type=low_var_kl`; TRL's `beta`). 0 (DAPO's choice) "
+        "keeps no reference model; above 0 the trainer holds a second copy of the weights.",
+    )
+    sync_interval: int = Field(
+        default=1, ge=1, le=1_000_000,
+        description="Publish a new policy version every this many steps."
+    )
+    batch_timeout_s: float = Field(
+        default=600.0, gt=0.0, le=86_400.0,
+        description="Longest wait for a batch before the job fails."
+    )

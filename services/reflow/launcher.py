@@ -28,8 +28,19 @@ from reflow.scheduler.jobs import TERMINAL
 MAX_STATUS_FAILURES = 60
 
 
+def progress_line(job: dict, num_steps: int, elapsed_s: float) -> str:
+    """The status line for one GET /v1/jobs/{id} reply."""
+    done = min(1.0, job["step"] / max(1, num_steps))
+    bar = "#" * int(done * 24) + "-" * (24 - int(done * 24))
+    return (f"[{bar}] step {job['step']}/{num_steps}  {job['phase'].lower():<9} "
+            f"reward {job['reward_mean']:.3f}  {job['trainer_tokens_per_s']:.0f} tok/s  "
+            f"v{job['policy_version']}  {elapsed_s:5.0f}s")
+
+
 class _Progress:
-    """One status line: redrawn in place on a terminal, printed every 10 s otherwise."""
+    """One status line: redrawn in place on a terminal, printed every 10 s otherwise.
+    The line of a job that has ended is always printed, so the last one shows its
+    final phase (a run's last step is reported while the job is still running)."""
 
     def __init__(self, num_steps: int) -> None:
         self.num_steps = num_steps
@@ -38,15 +49,11 @@ class _Progress:
         self._start = time.monotonic()
 
     def show(self, job: dict) -> None:
-        elapsed = time.monotonic() - self._start
-        done = job["step"] / max(1, self.num_steps)
-        bar = "#" * int(done * 24) + "-" * (24 - int(done * 24))
-        line = (f"[{bar}] step {job['step']}/{self.num_steps}  {job['phase'].lower():<9} "
-                f"reward {job['reward_mean']:.3f}  {job['trainer_tokens_per_s']:.0f} tok/s  "
-                f"v{job['policy_version']}  {elapsed:5.0f}s")
+        line = progress_line(job, self.num_steps, time.monotonic() - self._start)
         if self.tty:
-            print("\r" + line, end="", flush=True)
-        elif time.monotonic() - self._last_print >= 10.0:
+            # Clear to the end of the line: the new line may be shorter than the last.
+            print("\r" + line + "\x1b[K", end="", flush=True)
+        elif job["phase"] in TERMINAL or time.monotonic() - self._last_print >= 10.0:
             print(line, flush=True)
             self._last_print = time.monotonic()
 

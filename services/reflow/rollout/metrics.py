@@ -48,6 +48,22 @@ class RolloutCollector:
         for reason, n in sorted(c.reward_errors_total.items()):
             errors.add_metric([worker.job_id, reason], n)
         yield errors
+        if worker.episodes is not None:
+            e = worker.episodes.counters
+            for name, doc, value in (
+                ("reflow_rollout_episodes", "Multi-turn episodes finished.", e.episodes_total),
+                ("reflow_rollout_episode_turns", "Policy turns over all episodes (divide by "
+                 "episodes for turns per episode).", e.turns_total),
+                ("reflow_rollout_tool_calls", "Tool calls the environments ran.",
+                 e.tool_calls_total),
+                ("reflow_rollout_tool_seconds", "Time in tool calls (divide by tool calls for "
+                 "the mean tool latency).", e.tool_seconds_total),
+                ("reflow_rollout_env_step_seconds", "Time in environment steps.",
+                 e.env_seconds_total),
+            ):
+                metric = CounterMetricFamily(name, doc, labels=["job_id"])
+                metric.add_metric([worker.job_id], value)
+                yield metric
         # The engine's own queue (vLLM scheduler stats), when the engine reports it.
         load = getattr(worker.engine, "load", None)
         if load is not None:

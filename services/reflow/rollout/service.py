@@ -14,9 +14,11 @@ from reflow.core.errors import FailedPrecondition
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
+from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.records import RolloutCounters, SampleEvent, WeightUpdate
 from reflow.rollout.worker import RolloutWorker
 from reflow.tasks import ChatTask, Prompt, build_task, is_multi_turn, task_context
+from reflow.tasks.chat import ChatRenderer
 from reflow.tasks.rewards import RewardPool
 
 logger = logging.getLogger(__name__)
@@ -44,20 +46,18 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
     return build
 
 
-def prompt_encoder(task, tokenizer):
-    """How a prompt becomes token ids: through the model's own chat template for a
-    task that gives chat messages (instruct models), else its text as it is."""
+def prompt_encoder(task, tokenizer) -> tuple:
+    """(encode, renderer): how a prompt becomes token ids, and the chat renderer
+    of a task that talks to an instruct model. A task that gives chat messages,
+    and every multi-turn task, goes through the model's chat template (the
+    renderer's minimal one where the tokenizer has none); any other task's text
+    is encoded as it is."""
+    if not (isinstance(task, ChatTask) or is_multi_turn(task)):
+        return (lambda prompt: tokenizer.encode(prompt.text, add_special_tokens=False)), None
+    renderer = ChatRenderer(tokenizer)
     if isinstance(task, ChatTask):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("task.name: this task talks to an instruct model, but the model's "
-                             "tokenizer has no chat template")
-
-        def encode(prompt: Prompt) -> list[int]:
-            return list(tokenizer.apply_chat_template(task.prompt_messages(prompt),
-                                                      add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False))
-        return encode
-    return lambda prompt: tokenizer.encode(prompt.text, add_special_tokens=False)
+        return (lambda prompt: renderer.prompt_ids(task.prompt_messages(prompt))), renderer
+    return None, renderer
 
 
 # Largest weight-sync group a job may have (trainer + rollout workers).
@@ -114,9 +114,14 @@ class RolloutService:
             self._replay = self._replay_client_factory(replay_address)
             seed = worker_seed(spec, weight_sync_rank)
             task = build_task(spec, self.roots.datasets)
-            encode = prompt_encoder(task, tokenizer)
+            encode, renderer = prompt_encoder(task, tokenizer)
             self._close_rewards()
-            if not is_multi_turn(task):
+            episodes = None
+            if is_multi_turn(task):
+                # Episodes against the task's environment, rendered with the model's
+                # chat template; their rewards come from the environment.
+                episodes = EpisodeRunner(task, renderer)
+            else:
                 # Rewards in processes of their own, off the worker's event loop.
                 self._rewards = RewardPool(spec.task.name, spec.task.args,
                                            task_context(spec, self.roots.datasets),
@@ -131,6 +136,7 @@ class RolloutService:
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 weight_sync=(weight_sync_rank, weight_sync_world_size, trainer_host),
                 score=self._rewards.score if self._rewards is not None else None,
+                episodes=episodes,
             )
             self.worker.start()
             logger.info("job %s: rollout starting", job_id)

@@ -30,6 +30,7 @@ from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
 from reflow.rollout.records import (GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent,
                                      WeightUpdate)
+from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.scoring import ErrorWindow, Scorer, group_trajectories, score_inline, score_texts
 from reflow.tasks.base import Prompt, Task
 
@@ -58,10 +59,12 @@ class RolloutWorker:
         decode: Callable[[list[int]], str],
         weight_sync: tuple[int, int, str] = (1, 2, "127.0.0.1"),
         score: Scorer | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         """`encode` renders a prompt to token ids (the model's chat template for a
         chat task); `score` rewards a decoded response (the service's reward pool;
-        None: in this thread, without a timeout). `weight_sync`: this worker's rank
+        None: in this thread, without a timeout); `episodes` plays a multi-turn
+        task's episodes instead (each sample one episode). `weight_sync`: this worker's rank
         in the job's weight-sync group, the group's size, and the trainer's host;
         set by the scheduler at start."""
         self.job_id = job_id
@@ -73,6 +76,7 @@ class RolloutWorker:
         self.encode = encode
         self.decode = decode
         self.score = score or score_inline(task)
+        self.episodes = episodes
         self.reward_errors = ErrorWindow(spec.task.max_reward_error_rate,
                                          spec.task.reward_error_window)
         self.ready = threading.Event()
@@ -435,7 +439,8 @@ class RolloutWorker:
     async def _run_group(self, group_id: str, prompt: Prompt, sampling: SamplingSpec) -> None:
         group_size = self.spec.rollout.group_size
         try:
-            prompt_ids = self.encode(prompt)
+            # A multi-turn episode renders its own first prompt (the environment's).
+            prompt_ids = [] if self.episodes else self.encode(prompt)
         except Exception as err:  # noqa: BLE001 - no sample started: give every slot back
             self._free_slots(group_size)
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
@@ -450,11 +455,17 @@ class RolloutWorker:
             await self._resumed.wait()
             self._generating += group_size
             generating = True
-            samples = await asyncio.gather(
-                *(self._run_sample(group_id, i, prompt_ids, holding, sampling)
-                  for i in range(group_size))
-            )
-            trajectories = await self._score(group_id, prompt, prompt_ids, samples)
+            if self.episodes is not None:
+                episodes = await asyncio.gather(
+                    *(self._run_episode(group_id, i, prompt, holding, sampling)
+                      for i in range(group_size)))
+                trajectories, results = self.episodes.trajectories(group_id, episodes)
+                self._count_rewards(results)
+            else:
+                samples = await asyncio.gather(
+                    *(self._run_sample(group_id, i, prompt_ids, holding, sampling)
+                      for i in range(group_size)))
+                trajectories = await self._score(group_id, prompt, prompt_ids, samples)
             # Finished: from here the group goes to the buffer, never back (_hand_back).
             self._putting.add(group_id)
             try:
@@ -495,6 +506,27 @@ class RolloutWorker:
             self.counters.finished_samples_total += 1
             self._emit(group_id, index, len(sample.response_ids), len(prompt_ids))
             return sample
+        finally:
+            self._generating -= 1
+            holding[index] = False
+            self._free_slots(1)
+
+    async def _run_episode(self, group_id: str, index: int, prompt: Prompt,
+                           holding: list[bool], sampling: SamplingSpec):
+        """One sample of a multi-turn task: a whole episode, which holds its
+        concurrency slot from its first turn to its last."""
+        async def generate(request_id, ids, turn_sampling):
+            async for delta in self.engine.generate(request_id, ids, turn_sampling):
+                if self._engine_generated() is None:
+                    self.counters.generated_tokens_total += len(delta.token_ids)
+                yield delta
+
+        try:
+            episode = await self.episodes.play(generate, f"{group_id}-{index}", prompt, sampling,
+                                               lambda: self.counters.policy_version)
+            self.counters.finished_samples_total += 1
+            self._emit(group_id, index, len(episode.response_ids), len(episode.prompt_ids))
+            return episode
         finally:
             self._generating -= 1
             holding[index] = False

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, model_validator
 from reflow.core import plugins
 from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part of the spec
 from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
-from reflow.core.task_config import TaskConfig
+from reflow.core.task_config import EvalConfig, TaskConfig
 from reflow.core.trainer_config import TrainerConfig
 
 
@@ -381,6 +381,7 @@ class JobSpec(_Section):
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _apply_mode(self) -> JobSpec:

@@ -52,3 +52,22 @@ class TaskConfig(_Section):
         # (reflow.tasks.check_task), which has the datasets root.
         plugins.validate_args("task", self.name, self.args, "task.name", "task.args")
         return self
+
+
+class EvalConfig(_Section):
+    """Periodic evaluation on the task's held-out split (rollout/evaluation.py): on
+    a rollout worker beside training, so training does not wait for it."""
+
+    interval: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Evaluate every this many policy versions (and the initial weights "
+        "first); 0: never.",
+    )
+    num_prompts: int = Field(
+        default=32, ge=1, le=4096,
+        description="Held-out prompts per evaluation, one sample each.",
+    )
+    greedy: bool = Field(
+        default=True,
+        description="Greedy decoding; false: the job's sampling temperature.",
+    )

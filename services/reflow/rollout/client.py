@@ -114,6 +114,17 @@ class GrpcRolloutClient:
         return [SampleEvent(e.seq, e.group_id, e.sample_index, e.response_tokens,
                             e.prompt_tokens, e.policy_version, e.error) for e in reply.events]
 
+    def evaluate(self, job_id: str, num_prompts: int, greedy: bool,
+                 deadline_s: float = 600.0):
+        """Score the task's held-out split on this worker (periodic evaluation)."""
+        from reflow.rollout.evaluation import EvalResult
+        from reflow.v1 import rollout_pb2
+
+        req = rollout_pb2.EvaluateRequest(job_id=job_id, num_prompts=num_prompts, greedy=greedy)
+        m = self._stub.Evaluate(req, timeout=deadline_s)
+        return EvalResult(m.reward_mean, m.num_samples, m.num_errors, m.policy_version,
+                          m.seconds)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -108,11 +108,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 policy_version=e.policy_version, error=e.error)
             for e in events])
 
+    def Evaluate(self, request, context):
+        try:
+            result = self.service.evaluate(request.job_id, request.num_prompts, request.greedy,
+                                           rpc.wait_budget_s(context))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return rollout_pb2.EvaluateReply(
+            reward_mean=result.reward_mean, num_samples=result.num_samples,
+            num_errors=result.num_errors, policy_version=result.policy_version,
+            seconds=result.seconds)
+
 
 SERVICE_NAME = "reflow.v1.Rollout"
 # Calls that wait (on the engine, or for events): bounded by rpc.LongCallGuard.
 LONG_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in
-                     ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights", "WaitSamples"))
+                     ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights", "WaitSamples",
+                      "Evaluate"))
 
 
 def register(service: RolloutService):

@@ -287,6 +287,17 @@ class RolloutWorker:
         )
         return WeightUpdate(pause_s=t1 - t0, receive_s=receive_s)
 
+    def evaluate(self, num_prompts: int, greedy: bool, timeout_s: float = 600.0):
+        """Score the task's held-out split under the loaded weights
+        (rollout/evaluation.py); waits at most `timeout_s`."""
+        from reflow.rollout.evaluation import MAX_EVAL_PROMPTS, run_evaluation
+
+        if not 1 <= num_prompts <= MAX_EVAL_PROMPTS:
+            raise ValueError(f"num_prompts: {num_prompts}; need 1 to {MAX_EVAL_PROMPTS}")
+        if self.state != "running":
+            raise FailedPrecondition(f"rollout worker is {self.state}")
+        return self.call(run_evaluation(self, num_prompts, greedy), timeout_s)
+
     # --- groups and events (called from gRPC threads) -------------------------------
 
     def _mark_busy(self) -> None:

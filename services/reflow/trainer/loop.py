@@ -13,6 +13,7 @@ clients; it never sees gRPC.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -72,6 +73,10 @@ class TrainLoop:
         self.step = 0
         self.policy_version = 0
         self.startup_s = 0.0
+        # The frozen initial model of the KL penalty (trainer.kl_coef > 0), and the
+        # bytes its parameters hold; built by load().
+        self.reference: torch.nn.Module | None = None
+        self.reference_bytes = 0
         # Recent per-step records for the scheduler, which polls about once a second
         # and copies them into the job store; bounded so a lost poller costs no memory.
         self.recent_metrics: deque[dict[str, Any]] = deque(maxlen=RECENT_METRICS_STEPS)
@@ -113,6 +118,18 @@ class TrainLoop:
         self.model = AutoModelForCausalLM.from_pretrained(  # nosec B615 # local dir only
             path, dtype=dtype, local_files_only=True)
         self.model.to(self.device)
+        # The KL penalty's reference is the job's initial weights, frozen: a copy
+        # taken before the first step (every rank of the group takes the same one).
+        self.reference, self.reference_bytes = None, 0
+        if self.spec.trainer.kl_coef > 0.0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference_bytes = sum(p.numel() * p.element_size()
+                                       for p in self.reference.parameters())
+            logger.info("job %s: reference model for trainer.kl_coef=%g holds %d bytes",
+                        self.job_id, self.spec.trainer.kl_coef, self.reference_bytes)
+        if self.spec.trainer.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -348,7 +365,7 @@ class TrainLoop:
             # The replicas compute their shares of the same batch (trainer/dp.py).
             group.send_command("train", self.step + 1, batch.trajectories)
         return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
-                            self.pad_id, self.device, group)
+                            self.pad_id, self.device, group, reference=self.reference)
 
     def _publish(self) -> tuple[float, float]:
         """Send the weights to every rollout worker as version v+1, then tell the buffer.
@@ -463,6 +480,10 @@ class TrainLoop:
             "loss": loss_stats.loss,
             "clip_fraction": loss_stats.clip_fraction,
             "approx_kl": loss_stats.approx_kl,
+            # k3 KL to the frozen reference per loss token (0 with trainer.kl_coef 0),
+            # and the memory that reference holds.
+            "kl": loss_stats.kl,
+            "reference_model_bytes": self.reference_bytes,
             "grad_norm": grad_norm,
             "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
         }

@@ -3,7 +3,14 @@
 Token-level GRPO (the DAPO form): every loss token of the batch counts once,
 so long responses are not down-weighted against short ones. The importance
 ratio is taken against the behaviour logprobs each trajectory carries, which
-is what makes stale samples usable (paper §4.1 step 3).
+is what makes stale samples usable (paper §4.1 step 3). An optional KL
+penalty pulls the policy towards a frozen reference model (the k3 estimator,
+as verl's `low_var_kl`).
+
+Token log-probabilities come either from full logits (`token_logprobs`) or
+from the last hidden states a chunk of positions at a time
+(`chunked_token_logprobs`), which never holds a micro-batch's full-vocabulary
+logits; this module does not know how a model produces either.
 """
 
 from __future__ import annotations
@@ -11,6 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# exp() of a larger reference-minus-policy log-ratio overflows float32's useful
+# range; verl clamps at the same bound. Only tokens the reference finds ~e^20
+# times likelier than the policy are affected.
+MAX_KL_LOG_RATIO = 20.0
 
 
 @dataclass
@@ -19,6 +32,19 @@ class LossStats:
     clip_fraction: float
     approx_kl: float
     ratio_mean: float
+    # k3 KL to the reference model per loss token (0 without one).
+    kl: float = 0.0
+
+
+def reference_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(policy || reference) per token, zero where `mask` is 0:
+    exp(ref - new) - (ref - new) - 1, which is >= 0, unbiased for the KL under
+    samples from the policy, and of low variance (Schulman's k3)."""
+    mask = mask.to(new_logprobs.dtype)
+    # Masked before exp(): padding positions hold arbitrary logprobs.
+    log_ratio = ((ref_logprobs - new_logprobs) * mask).clamp(-MAX_KL_LOG_RATIO, MAX_KL_LOG_RATIO)
+    return (torch.exp(log_ratio) - log_ratio - 1.0) * mask
 
 
 def grpo_token_loss(
@@ -29,6 +55,8 @@ def grpo_token_loss(
     clip_eps: float,
     sample_weights: torch.Tensor | None = None,
     num_batch_tokens: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped-ratio policy loss averaged over loss tokens.
 
@@ -40,6 +68,12 @@ def grpo_token_loss(
 
     loss = -Σ_i Σ_t w_i m_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) / Σ_i Σ_t m_it,
     ρ_it = exp(new_it - old_it).
+
+    With `ref_logprobs` and `kl_coef` β > 0 the loss gains
+    β Σ_i Σ_t m_it k3_it / (the same token count), k3 from `reference_kl`. The
+    KL term is not scaled by `sample_weights`: it regularises the current policy
+    wherever it is evaluated, whatever the sample's provenance, and the weights
+    are normalised to keep the token scale anyway.
     """
     mask = mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask
@@ -51,8 +85,12 @@ def grpo_token_loss(
     if sample_weights is not None:
         per_token = per_token * sample_weights.unsqueeze(-1)
     num_tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / (num_tokens if num_batch_tokens is None
-                                       else max(float(num_batch_tokens), 1.0))
+    denom = num_tokens if num_batch_tokens is None else max(float(num_batch_tokens), 1.0)
+    loss = (per_token * mask).sum() / denom
+    kl = None
+    if ref_logprobs is not None and kl_coef > 0.0:
+        kl = reference_kl(new_logprobs, ref_logprobs, mask)
+        loss = loss + kl_coef * kl.sum() / denom
     with torch.no_grad():
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         stats = LossStats(
@@ -61,6 +99,7 @@ def grpo_token_loss(
             # k3 estimator of KL(behaviour || current), per token.
             approx_kl=float((((ratio - 1.0) - log_ratio) * mask).sum() / num_tokens),
             ratio_mean=float((ratio * mask).sum() / num_tokens),
+            kl=float(kl.sum() / num_tokens) if kl is not None else 0.0,
         )
     return loss, stats
 
@@ -89,7 +128,48 @@ def replay_sample_weights(
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position, without materialising a full log-softmax copy."""
+    """log p(target) per position, without materialising a full log-softmax copy
+    (but with a float32 copy of `logits`)."""
     logits = logits.float()
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                    temperature: float) -> torch.Tensor:
+    # Divided before the cast, as the full-logits path does: the same numbers.
+    logits = (head(hidden) / temperature).float()
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                           temperature: float = 1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature)[target] per position, `chunk_tokens`
+    positions at a time.
+
+    Shapes: hidden [B, T, H], targets [B, T] -> [B, T] float32. With autograd on,
+    each chunk runs under a non-reentrant checkpoint, so the backward pass keeps
+    only the chunk's slice of `hidden` and recomputes its
+    logits: peak logits memory is one chunk's [chunk_tokens, V] in float32 (plus
+    its gradient), not the micro-batch's [B, T, V]. Equals `token_logprobs` of
+    the full logits divided by `temperature`.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens: {chunk_tokens}; need >= 1")
+    batch, length = targets.shape
+    flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
+    flat_targets = targets.reshape(batch * length)
+    keep_graph = torch.is_grad_enabled()
+    pieces = []
+    for start in range(0, batch * length, chunk_tokens):
+        h = flat_hidden[start:start + chunk_tokens]
+        t = flat_targets[start:start + chunk_tokens]
+        if keep_graph:
+            pieces.append(checkpoint(_chunk_logprobs, h, t, head, temperature,
+                                     use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(h, t, head, temperature))
+    if not pieces:
+        return hidden.new_zeros((batch, length), dtype=torch.float32)
+    return torch.cat(pieces).view(batch, length)

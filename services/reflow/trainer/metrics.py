@@ -46,6 +46,12 @@ class TrainerMetrics:
         self.group_replicas = Gauge("reflow_trainer_group_replicas",
                                     "Trainer replicas the last step ran on (the data-parallel "
                                     "group, leader included).", ["job_id"], registry=r)
+        self.reference_kl = Gauge("reflow_trainer_reference_kl_nats",
+                                  "k3 estimate of KL(policy || frozen reference) per loss token, "
+                                  "last step (0 without a KL penalty).", ["job_id"], registry=r)
+        self.reference_bytes = Gauge("reflow_trainer_reference_model_bytes",
+                                     "Parameter bytes of the frozen reference model the KL "
+                                     "penalty holds (0 without one).", ["job_id"], registry=r)
         self.rollout_workers = Gauge("reflow_trainer_rollout_workers",
                                      "Rollout workers generating during the last step.",
                                      ["job_id"], registry=r)
@@ -66,3 +72,5 @@ class TrainerMetrics:
         self.staleness.labels(job_id).set(record["max_staleness"])
         self.group_replicas.labels(job_id).set(record.get("trainer_workers", 1))
         self.rollout_workers.labels(job_id).set(record.get("rollout_workers", 1))
+        self.reference_kl.labels(job_id).set(record.get("kl", 0.0))
+        self.reference_bytes.labels(job_id).set(record.get("reference_model_bytes", 0))

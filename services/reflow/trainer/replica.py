@@ -99,8 +99,9 @@ class TrainerReplica:
             while not self._stop.is_set():
                 op, step, trajectories = group.receive_command()
                 if op == "train":
+                    # loop.load() built the same frozen reference as the leader's.
                     compute_step(loop.model, loop.optimizer, loop.spec, trajectories,
-                                 loop.pad_id, loop.device, group)
+                                 loop.pad_id, loop.device, group, reference=loop.reference)
                     self.step = step
                     self.steps_trained += 1
                 elif op == "regroup":

@@ -4,10 +4,16 @@ replica of the data-parallel trainer group (trainer/dp.py).
 The replay weights (τ, renormalised) and the token normalisation are computed
 over the whole batch on every rank, so each rank's share of the loss is
 exactly its share of the batch's; the summed gradients are the whole batch's.
+
+Token log-probabilities are taken from the model's last hidden states in
+chunks of positions (`trainer.logprob_chunk_tokens`, loss.chunked_token_logprobs),
+so no micro-batch's full-vocabulary logits exist at once; with a KL penalty
+the frozen reference model is scored the same way, without autograd.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,12 +21,20 @@ import torch
 
 from reflow.core.config import JobSpec
 from reflow.core.types import Trajectory
-from reflow.trainer.loss import LossStats, grpo_token_loss, replay_sample_weights, token_logprobs
+from reflow.trainer.loss import (LossStats, chunked_token_logprobs, grpo_token_loss,
+                                 replay_sample_weights, token_logprobs)
 
 if TYPE_CHECKING:
     from reflow.trainer.dp import TrainerGroup
 
-STAT_NAMES = ("clip_fraction", "approx_kl", "ratio_mean")
+STAT_NAMES = ("clip_fraction", "approx_kl", "ratio_mean", "kl")
+# Config fields of architectures whose logits are more than lm_head(last hidden
+# state) (Gemma's soft-capping, Cohere's and Granite's scales): those models are
+# scored through their own forward, which applies them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+logger = logging.getLogger(__name__)
+_warned_full_logits: set[str] = set()
 
 
 @dataclass
@@ -70,12 +84,59 @@ def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[
     return plan
 
 
+def _plain_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output projection when the model's logits are exactly
+    head(base_model(...).last_hidden_state); None otherwise."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "base_model", model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if config is None or base is model or head is None:
+        return None
+    for name in _LOGIT_TRANSFORMS:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return None
+    return head
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, temperature: float,
+                      chunk_tokens: int | None) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) under softmax(logits / T),
+    [B, T-1] float32: the law the engine sampled from.
+
+    `chunk_tokens` None (or a model whose logits are not a plain projection):
+    the model's full logits, [B, T, V], then a float32 copy of them. Otherwise
+    the base model's last hidden states go through the output projection
+    `chunk_tokens` positions at a time (loss.chunked_token_logprobs)."""
+    head = _plain_head(model) if chunk_tokens is not None else None
+    if head is None:
+        if chunk_tokens is not None and type(model).__name__ not in _warned_full_logits:
+            _warned_full_logits.add(type(model).__name__)
+            logger.warning("%s: logits are not a plain projection; scoring full logits",
+                           type(model).__name__)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return token_logprobs(logits[:, :-1] / temperature, input_ids[:, 1:])
+    # No KV cache: nothing is generated, and the backward keeps K and V anyway.
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              use_cache=False).last_hidden_state
+    return chunked_token_logprobs(hidden[:, :-1], input_ids[:, 1:], head, temperature,
+                                  chunk_tokens)
+
+
 def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec,
                  trajectories: list[Trajectory], pad_id: int, device: torch.device,
-                 group: TrainerGroup | None = None):
+                 group: TrainerGroup | None = None,
+                 reference: torch.nn.Module | None = None):
     """Gradient of this rank's share of the batch, summed over the group, then one
     clipped optimizer step. Returns ((LossStats, grad_norm), per-sample stats);
-    every rank returns the same."""
+    every rank returns the same. `reference`: the frozen initial model, needed
+    when `trainer.kl_coef` > 0."""
+    kl_coef = spec.trainer.kl_coef
+    if kl_coef > 0.0 and reference is None:
+        raise ValueError("trainer.kl_coef > 0 needs the reference model; this trainer "
+                         "was built without one")
+    chunk = spec.trainer.logprob_chunk_tokens
+    temperature = spec.rollout.temperature
     # Replayed samples weigh τ, then the batch is renormalised (paper §4.1), over
     # the whole step's batch before it is cut into shares and micro-batches.
     weights = replay_sample_weights(
@@ -93,20 +154,24 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
             plan_micro_batches([lengths[i] for i in mine],
                                spec.trainer.max_tokens_per_micro_batch)]
     optimizer.zero_grad(set_to_none=True)
-    # [loss, clip_fraction, approx_kl, ratio_mean], then per sample (ratio, clipped):
+    # [loss, clip_fraction, approx_kl, ratio_mean, kl], then per sample (ratio, clipped):
     # summed across ranks with the gradients (each sample is computed by one rank).
     totals = torch.zeros(1 + len(STAT_NAMES) + 2 * len(trajectories), dtype=torch.float64)
     per_sample = totals[1 + len(STAT_NAMES):].view(len(trajectories), 2)
     for indices in plan:
         tb = collate([trajectories[i] for i in indices], pad_id, device)
-        logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits
+        ref_logprobs = None
+        if kl_coef > 0.0:
+            with torch.no_grad():
+                ref_logprobs = sequence_logprobs(reference, tb.input_ids, tb.attention_mask,
+                                                 temperature, chunk)
         # The engine sampled from softmax(logits / T); score under the same law.
-        logits = logits[:, :-1] / spec.rollout.temperature
-        new_logprobs = token_logprobs(logits, tb.input_ids[:, 1:])
+        new_logprobs = sequence_logprobs(model, tb.input_ids, tb.attention_mask,
+                                         temperature, chunk)
         loss, stats = grpo_token_loss(
             new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask,
             spec.trainer.clip_eps, sample_weights=weights[indices],
-            num_batch_tokens=batch_tokens)
+            num_batch_tokens=batch_tokens, ref_logprobs=ref_logprobs, kl_coef=kl_coef)
         loss.backward()  # gradients accumulate: the sum is the whole batch's
         totals[0] += stats.loss
         share = float(tb.loss_mask.sum()) / max(batch_tokens, 1.0)

@@ -39,10 +39,22 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
         "rollout_idle_ratio_mean": _mean([r["rollout_idle_ratio"] for r in records]),
         "rollout_utilisation_mean": _mean([r.get("rollout_utilisation", 0.0) for r in records]),
         "max_staleness": max(r["max_staleness"] for r in records),
+        # Held-out evaluations (eval.interval): the first and the last.
+        **_eval_summary(records),
         # Start-up, outside every figure above (the step clock starts after it).
         "engine_startup_s": records[0].get("engine_startup_s"),
         "trainer_startup_s": records[0].get("trainer_startup_s"),
     }
+
+
+def _eval_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    evals = [r for r in records if "eval_reward" in r]
+    if not evals:
+        return {}
+    return {"eval_reward_first": evals[0]["eval_reward"],
+            "eval_reward_first_version": evals[0]["eval_policy_version"],
+            "eval_reward_last": evals[-1]["eval_reward"],
+            "eval_reward_last_version": evals[-1]["eval_policy_version"]}
 
 
 def plot(records: list[dict[str, Any]], out: str | Path, title: str = "") -> None:
@@ -54,8 +66,12 @@ def plot(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Non
 
     t = [r["wall_time_s"] for r in records]
     fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax_r.plot(t, [r["reward_mean"] for r in records], color="tab:blue")
-    ax_r.set_ylabel("reward (batch mean)")
+    ax_r.plot(t, [r["reward_mean"] for r in records], color="tab:blue", label="batch mean")
+    evals = [(r["wall_time_s"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    if evals:
+        ax_r.plot(*zip(*evals), color="tab:orange", marker="o", label="held-out (eval)")
+        ax_r.legend(loc="best")
+    ax_r.set_ylabel("reward")
     ax_r.grid(alpha=0.3)
     ax_t.plot(t, [r["trainer_tokens_per_s"] for r in records], color="tab:green")
     ax_t.set_ylabel("trainer tokens/s")

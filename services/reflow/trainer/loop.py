@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -32,12 +33,15 @@ from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.evaluation import PeriodicEval
 from reflow.trainer.handoff import SharedState
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
 from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
                                send_weights, specs_of)
 
 RECENT_METRICS_STEPS = 4096
+# How long the last step's record waits for the final evaluation.
+EVAL_FINAL_WAIT_S = 900.0
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,8 @@ class TrainLoop:
         # this job may have replicas.
         self.shared_state: SharedState | None = None
         self.last_handoff = ""
+        # Evaluations on the held-out split, beside training (trainer/evaluation.py).
+        self.evals = PeriodicEval(job_id, spec, rollouts if replay is not None else [])
 
     def stop(self) -> None:
         self._stop.set()
@@ -263,6 +269,7 @@ class TrainLoop:
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
         previous_end = time.monotonic()
+        self.evals.maybe_start(self.policy_version)  # the initial weights, as a baseline
         while self.step < self.spec.trainer.num_steps:
             if self._stop.is_set():
                 raise JobStopped()
@@ -290,6 +297,7 @@ class TrainLoop:
             sync_s = sync_wait_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
                 sync_s, sync_wait_s = self._publish()
+                self.evals.maybe_start(self.policy_version)
                 # Roles move at sync boundaries only (paper §5).
                 self.apply_membership()
             step_end = time.monotonic()
@@ -299,6 +307,9 @@ class TrainLoop:
                                    self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
+            # The last record waits for the final version's evaluation: training is over.
+            last = self.step == self.spec.trainer.num_steps
+            record.update(self.evals.take(wait_s=EVAL_FINAL_WAIT_S if last else 0.0))
             self._emit(record)
         if self.group is not None:
             self.group.send_command("stop", self.step)
@@ -413,6 +424,7 @@ class TrainLoop:
         loss_stats, grad_norm = stats
         rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
         trajs = batch.trajectories
+        scored = [t for t in trajs if not t.reward_error]
         trained_tokens = sum(t.num_tokens for t in trajs)
         # Staleness against the version the batch was leased (and trained) under,
         # from each sample's oldest segment: the policy lag the loss corrects for.
@@ -435,7 +447,11 @@ class TrainLoop:
             **startup,
             "step": self.step,
             "policy_version": self.policy_version,
-            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            # Over the scored samples: one without a reward (reward_error) is excluded
+            # from the loss and from this mean (rollout/scoring.py).
+            "reward_mean": sum(t.reward for t in scored) / len(scored) if scored else 0.0,
+            "reward_error_samples": len(trajs) - len(scored),
+            "optimizer_step_skipped": not math.isfinite(grad_norm),
             "trained_tokens": trained_tokens,
             "step_time_s": step_s,
             "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
@@ -511,3 +527,4 @@ class TrainLoop:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.evals.close()

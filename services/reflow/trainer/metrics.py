@@ -52,6 +52,12 @@ class TrainerMetrics:
         self.reference_bytes = Gauge("reflow_trainer_reference_model_bytes",
                                      "Parameter bytes of the frozen reference model the KL "
                                      "penalty holds (0 without one).", ["job_id"], registry=r)
+        self.eval_reward = Gauge("reflow_trainer_eval_reward_mean",
+                                 "Mean reward on the task's held-out split, latest evaluation "
+                                 "(eval.interval).", ["job_id"], registry=r)
+        self.eval_version = Gauge("reflow_trainer_eval_policy_version",
+                                  "Policy version the latest evaluation scored.", ["job_id"],
+                                  registry=r)
         self.rollout_workers = Gauge("reflow_trainer_rollout_workers",
                                      "Rollout workers generating during the last step.",
                                      ["job_id"], registry=r)
@@ -73,4 +79,7 @@ class TrainerMetrics:
         self.group_replicas.labels(job_id).set(record.get("trainer_workers", 1))
         self.rollout_workers.labels(job_id).set(record.get("rollout_workers", 1))
         self.reference_kl.labels(job_id).set(record.get("kl", 0.0))
+        if "eval_reward" in record:
+            self.eval_reward.labels(job_id).set(record["eval_reward"])
+            self.eval_version.labels(job_id).set(record["eval_policy_version"])
         self.reference_bytes.labels(job_id).set(record.get("reference_model_bytes", 0))

@@ -187,7 +187,13 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
         totals = group.sum_gradients(model, totals).cpu()
         per_sample = totals[1 + len(STAT_NAMES):].view(len(trajectories), 2)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.max_grad_norm)
-    optimizer.step()
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        # A NaN or inf gradient would become NaN weights on every engine at the next
+        # sync: this step changes nothing (every rank sees the same summed norm).
+        logger.warning("non-finite gradient norm (%s): optimizer step skipped", float(grad_norm))
+        optimizer.zero_grad(set_to_none=True)
     stats = LossStats(loss=float(totals[0]),
                       **{name: float(totals[k]) for k, name in enumerate(STAT_NAMES, start=1)})
     rows = per_sample.tolist()

@@ -7,6 +7,7 @@
     reflow bench modes --out DIR [section.field=value ...]
     reflow bench trace --out DIR [--variant NAME=override;...]
     reflow models import-gguf [--gguf PATH] [--out DIR] [--dtype float32|bfloat16]
+    reflow datasets export-gym GENERATOR --size N [--config JSON] [--seed S] [--out FILE]
 
 Imports stay lazy so that `reflow --help` answers at once.
 """
@@ -145,6 +146,23 @@ def cmd_models(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown models action {args.action!r}")
 
 
+def cmd_datasets(args: argparse.Namespace) -> int:
+    if args.action == "export-gym":
+        from pathlib import Path
+
+        from reflow.core.paths import datasets_root
+        from reflow.tasks.export import export_gym
+
+        out = Path(args.out) if args.out else datasets_root() / f"{args.generator}.jsonl"
+        try:
+            print(export_gym(args.generator, out, args.size, args.config, args.seed).absolute())
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    raise SystemExit(f"unknown datasets action {args.action!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="Replay-driven RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weight dtype to store (default float32: fast on CPUs without "
                       "bfloat16 units)")
     models.set_defaults(fn=cmd_models)
+
+    datasets = sub.add_parser("datasets", help="make datasets under the datasets root, offline")
+    datasets_sub = datasets.add_subparsers(dest="action", required=True)
+    gym = datasets_sub.add_parser(
+        "export-gym", help="write a reasoning-gym generator's problems as JSON Lines "
+        "(question, answer), which the math task reads")
+    gym.add_argument("generator", help="a reasoning-gym generator (e.g. basic_arithmetic)")
+    gym.add_argument("--size", type=int, required=True, help="problems to write")
+    gym.add_argument("--config", default="{}", help="the generator's arguments, a JSON object")
+    gym.add_argument("--seed", type=int, default=0)
+    gym.add_argument("--out", help="the file to write (default: <datasets root>/<generator>"
+                     ".jsonl, the datasets root being REFLOW_DATASETS_DIR or .reflow/datasets)")
+    datasets.set_defaults(fn=cmd_datasets)
     return parser
 
 

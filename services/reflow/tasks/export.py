@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from reflow.core import plugins
 from reflow.tasks.gym import ReasoningGymTask
 
 
@@ -19,7 +20,9 @@ def export_gym(dataset: str, out: Path, size: int, config_json: str = "{}",
     """Write `size` problems of reasoning-gym generator `dataset` to `out`
     (atomically); returns the path. The generator and its arguments are checked
     as a job spec's would be."""
-    args = ReasoningGymTask.Args(dataset=dataset, config_json=config_json, size=size)
+    args = plugins.validate_args("task", "reasoning_gym",
+                                 {"dataset": dataset, "config_json": config_json, "size": size},
+                                 "generator", "export-gym")
     task = ReasoningGymTask(**dict(args))
     task.seed = seed
     data = task._dataset("train")

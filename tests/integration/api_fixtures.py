@@ -36,9 +36,9 @@ class RecordOnlyScheduler(Scheduler):
 def api_stack(redis_url: str, root: Path, settings: ApiSettings | None = None,
               limits: OperatorLimits | None = None, scheduler_cls=RecordOnlyScheduler):
     """(app, core, registry) with the app talking to the scheduler over gRPC; `root`
-    is both the runs and the models root."""
+    is the runs, the models and the datasets root."""
     core = scheduler_cls(JobStore(redis.Redis.from_url(redis_url)),
-                         LocalBackend(redis_url), PathRoots(root, root), limits)
+                         LocalBackend(redis_url), PathRoots(root, root, root), limits)
     server, port = serve(core, "127.0.0.1:0")
     client = GrpcSchedulerClient(f"127.0.0.1:{port}")
     registry = CollectorRegistry()

@@ -182,3 +182,34 @@ def test_more_active_jobs_than_the_ceiling_get_429(stack, tmp_path):
     assert again.status_code == 200
     client.post("/v1/jobs/a0/stop", headers=AUTH)
     assert client.post("/v1/jobs", json=_spec(tmp_path), headers=AUTH).status_code == 201
+
+
+def test_task_datasets_and_arguments_are_checked_at_submission(stack, tmp_path, canary):
+    """An unknown task, bad task arguments, a dataset outside the datasets root, a
+    dataset without the named column: 422 naming the field, and no job recorded."""
+    client, core = stack
+    (tmp_path / "rows.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n' * 4)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.jsonl"
+    outside.write_text('{"question": "q", "answer": "1"}\n')
+    (tmp_path / "escape.jsonl").symlink_to(outside)
+    # A row is data: a "prompt" that names a command is text, nothing runs it.
+    (tmp_path / "hostile.jsonl").write_text(
+        '{"question": "__import__(\'os\').system(\'touch %s\')", "answer": "1"}\n' % canary)
+    cases = [
+        ({"name": "no_such_task"}, "task.name"),
+        ({"name": "repeat", "args": {"max_count": -1}}, "task.args.max_count"),
+        ({"name": "math", "args": {"path": str(outside)}}, "task.args.path"),
+        ({"name": "math", "args": {"path": "escape.jsonl"}}, "task.args.path"),
+        ({"name": "math", "args": {"path": "../../etc/passwd"}}, "task.args.path"),
+        ({"name": "math", "args": {"path": "rows.jsonl", "answer_column": "solution"}},
+         "task.args.answer_column"),
+        ({"name": "reasoning_gym", "args": {"dataset": "os.system"}}, "task.args.dataset"),
+    ]
+    for task, field in cases:
+        r = client.post("/v1/jobs", json=_spec(tmp_path, task=task), headers=AUTH)
+        assert r.status_code == 422 and field in r.json()["detail"], (task, r.text)
+    assert core.list()[0] == []
+    r = client.post("/v1/jobs", json=_spec(tmp_path, task={"name": "math",
+                                                           "args": {"path": "hostile.jsonl"}}),
+                    headers=AUTH)
+    assert r.status_code == 201, r.text

@@ -7,6 +7,7 @@ One real import per session (~20 s on two cores); every other check reuses it.
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +28,9 @@ def source():
 
 
 @pytest.fixture(scope="module")
-def imported(source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf-models") / DEFAULT_NAME
-    return import_gguf(source, out, "float32")
+def imported(source, smollm2_model):
+    # The session's one import (tests/conftest.py), which the real-model examples share.
+    return Path(smollm2_model)
 
 
 def test_the_default_source_is_the_packaged_file(source):

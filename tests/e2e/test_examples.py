@@ -1,0 +1,100 @@
+"""Every task example runs as a user runs it (`reflow run examples/X.yaml`), a few
+steps each. The math example runs on the real SmolLM2-135M-Instruct it names
+(imported from the shipped GGUF once per session); the others on the tiny
+model, with the chat template's minimal fallback, to keep the suite short:
+they check the plumbing of their task (a multi-turn episode loop, a
+reasoning-gym scorer), not what a model learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from reflow.tasks.export import export_gym
+
+REPO = Path(__file__).resolve().parents[2]
+ARITHMETIC = ('{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, '
+              '"operators": ["+", "-", "*"], "allow_parentheses": false, "allow_negation": false}')
+SMALL = ["trainer.num_steps=2", "rollout.kv_cache_gb=0.25"]
+
+
+def _scrape(run_dir: Path, client: httpx.Client) -> dict[str, float]:
+    """The rollout worker's counters, by metric name (labels dropped)."""
+    targets = json.loads((run_dir / "prometheus-targets.json").read_text())
+    found: dict[str, float] = {}
+    for target in targets:
+        if target["labels"]["service"].startswith("rollout"):
+            for line in client.get(f"http://{target['targets'][0]}/metrics").text.splitlines():
+                if line.startswith("reflow_rollout_") and "{" in line:
+                    name = line.split("{", 1)[0]
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def run_example(name: str, out: Path, overrides: list[str]) -> tuple[list[dict], dict]:
+    """Run an example to the end; its metrics records and its rollout worker's last
+    scraped counters."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reflow.cli", "run", str(REPO / "examples" / name),
+         "--out", str(out), *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counters: dict[str, float] = {}
+    deadline = time.monotonic() + 900
+    with httpx.Client(timeout=5) as client:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                counters = _scrape(out, client) or counters
+            except (OSError, httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(1.0)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert json.loads((out / "summary.json").read_text())["phase"] == "SUCCEEDED"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, counters
+
+
+@pytest.mark.slow
+def test_the_math_example_trains_smollm2_with_its_chat_template(smollm2_model, tmp_path):
+    datasets = Path(os.environ["REFLOW_DATASETS_DIR"])
+    export_gym("basic_arithmetic", datasets / "arithmetic.jsonl", 200, ARITHMETIC)
+    records, counters = run_example("math.yaml", tmp_path / "run", [
+        *SMALL, "trainer.batch_size=16", "rollout.max_tokens=48", "eval.interval=2",
+        "eval.num_prompts=4"])
+    assert [r["step"] for r in records] == [1, 2]
+    # The held-out split was scored twice: the initial weights, then version 2.
+    assert records[0]["eval_policy_version"] == 0 and records[-1]["eval_policy_version"] == 2
+    assert counters["reflow_rollout_scored_samples_total"] >= 32
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
+
+
+@pytest.mark.slow
+def test_the_reasoning_gym_example_scores_with_the_generator(tiny_model, tmp_path):
+    records, counters = run_example("reasoning_gym.yaml", tmp_path / "run", [
+        *SMALL, f"model.path={tiny_model}", "trainer.batch_size=16", "rollout.max_tokens=16"])
+    assert len(records) == 2 and counters["reflow_rollout_scored_samples_total"] >= 32
+    assert counters.get("reflow_rollout_reward_errors_total", 0) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["guess_number.yaml", "calculator.yaml"])
+def test_the_multi_turn_examples_play_episodes(example, tiny_model, tmp_path):
+    records, counters = run_example(example, tmp_path / "run", [
+        *SMALL, f"model.path={tiny_model}", "rollout.max_tokens=12",
+        "task.args.max_episode_tokens=160"])
+    assert len(records) == 2
+    episodes = counters["reflow_rollout_episodes_total"]
+    assert episodes >= 32  # two batches of 16 samples, each one episode
+    # Several turns each, an environment's answer between them: a tiny random model
+    # rarely guesses right or answers, so most episodes run to max_turns or the
+    # token budget (tests/unit/test_worker_multiturn.py pins the turns exactly).
+    assert counters["reflow_rollout_episode_turns_total"] >= 2 * episodes
+    # Observation tokens are not trained: fewer loss tokens than generated and observed.
+    assert all(r["trained_tokens"] > 0 for r in records)

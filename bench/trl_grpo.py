@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.core.config import load_job_spec
     from reflow.models.tiny import ensure_model
-    from reflow.tasks import Prompt, build_task
+    from reflow.tasks import ChatTask, Prompt, build_task
 
     spec = load_job_spec(args.config, args.overrides)
     out = Path(args.out).absolute()
@@ -82,16 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     task = build_task(spec)  # the same prompt stream the job's dispatcher draws
     stream = task.prompts()
     prompts = [next(stream) for _ in range(spec.trainer.num_steps * batch // group)]
-    dataset = Dataset.from_list([{"prompt": p.text, "prompt_id": p.prompt_id, "answer": p.answer}
+    # A chat task's prompts go to TRL as conversations: TRL renders them with the
+    # model's chat template, as ReFlow's rollout workers do.
+    chat = isinstance(task, ChatTask)
+    dataset = Dataset.from_list([{"prompt": task.prompt_messages(p) if chat else p.text,
+                                  "prompt_id": p.prompt_id, "answer": p.answer, "text": p.text}
                                  for p in prompts])
 
     step_tokens: list[int] = []
 
-    def task_reward(prompts, completions, completion_ids, prompt_id, answer, **_):
+    def task_reward(prompts, completions, completion_ids, prompt_id, answer, text, **_):
         # Called once per generated batch: also where its response tokens are counted.
         step_tokens.append(sum(len(ids) for ids in completion_ids))
-        return [task.reward(Prompt(prompt_id=pid, text=text, answer=ans), completion)
-                for text, completion, pid, ans in zip(prompts, completions, prompt_id, answer)]
+        # A conversation's completion is a list of messages: the assistant's text.
+        texts = [c[-1]["content"] if chat else c for c in completions]
+        return [task.reward(Prompt(prompt_id=pid, text=t, answer=ans), completion)
+                for t, completion, pid, ans in zip(text, texts, prompt_id, answer)]
 
     config = GRPOConfig(
         output_dir=str(out / "trl"),

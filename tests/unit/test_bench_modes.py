@@ -37,7 +37,8 @@ def test_summary_and_spread_over_runs(capsys):
 def test_every_entry_is_a_mode_and_sync_is_among_them():
     assert set(modes.ENTRIES) >= set(modes.MODES)
     assert all(mode in modes.MODES for mode, _, _ in modes.ENTRIES.values())
-    assert set(modes.WORKLOADS) == {"balanced", "rollout_bound"}
+    assert set(modes.WORKLOADS) == {"balanced", "rollout_bound", "math"}
+    assert set(modes.DEFAULT_WORKLOADS) == {"balanced", "rollout_bound"}
 
 
 @pytest.mark.parametrize("entry", sorted(modes.ENTRIES))
@@ -48,7 +49,8 @@ def test_every_entry_is_a_valid_job_on_every_workload(entry, workload):
     from reflow.core.config import load_job_spec
 
     mode, overrides, _ = modes.ENTRIES[entry]
-    spec = load_job_spec(modes.REPO / "examples" / "bench_modes.yaml",
+    config = modes.WORKLOAD_CONFIGS.get(workload, "examples/bench_modes.yaml")
+    spec = load_job_spec(modes.REPO / config,
                          [f"mode={mode}", *modes.WORKLOADS[workload], *overrides])
     assert spec.mode == mode
     for override in overrides:

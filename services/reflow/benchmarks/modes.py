@@ -17,10 +17,15 @@ reflow_sync4 (weights synced every 4 steps, verl's fully_async recipe). Ratios
 ("vs sync") are against the faster of sync and sync_split in the same round.
 Each entry runs through `reflow run` with all services as separate processes.
 
-Two workloads, both always reported:
+Workloads (the default: the first two):
 - `balanced`: examples/bench_modes.yaml as written;
 - `rollout_bound`: the paper's regime, where generation is most of a sync step
-  (a longer Zipf tail of response lengths). The table prints the measured share.
+  (a longer Zipf tail of response lengths). The table prints the measured share;
+- `math`: a real model, examples/math.yaml (SmolLM2-135M-Instruct on one-digit
+  arithmetic, its chat template, math-verify) at a size that fits a session:
+  16 samples a step, 64 response tokens, 20 steps. On this CPU the real model
+  is training-bound, so this one shows what a scheduler does where generation is
+  the smaller part of a step.
 
 Runs are interleaved (round 1 runs every entry once, then round 2, ...), so a
 slow minute on this shared machine hits every entry alike, and ratios against
@@ -79,7 +84,12 @@ SYNC_ENTRIES = ("sync", "sync_split")
 WORKLOADS: dict[str, list[str]] = {
     "balanced": ["trainer.num_steps=40"],
     "rollout_bound": ["task.args.max_count=320", "rollout.max_tokens=256", "trainer.num_steps=25"],
+    "math": ["trainer.num_steps=20", "trainer.batch_size=16", "rollout.max_tokens=64",
+             "eval.interval=0"],
 }
+DEFAULT_WORKLOADS = ("balanced", "rollout_bound")
+# A workload on a job of its own instead of --config.
+WORKLOAD_CONFIGS = {"math": "examples/math.yaml"}
 REPO = Path(__file__).resolve().parents[3]
 TRL_ENTRY = "trl"
 TRL_SCRIPT = REPO / "bench" / "trl_grpo.py"
@@ -165,6 +175,8 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
 def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
               overrides: list[str]) -> list[dict]:
     run_dir = out / workload / f"{entry}-{run}"
+    if workload in WORKLOAD_CONFIGS:
+        config = str(REPO / WORKLOAD_CONFIGS[workload])
     if run_dir.exists():
         import shutil
 
@@ -216,13 +228,23 @@ def plot(all_records: dict[str, list[dict]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, ax_n) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, records in all_records.items():
         t = [r["wall_time_s"] for r in records]
-        ax.plot(t, moving_average([r["reward_mean"] for r in records], 10), label=name)
+        smoothed = moving_average([r["reward_mean"] for r in records], 10)
+        ax.plot(t, smoothed, label=name)
+        # Trained samples so far: every step trains one batch of the same size.
+        samples, total = [], 0
+        for r in records:
+            total += r.get("fresh_samples", 0) + r.get("stale_samples", 0) + r.get(
+                "replay_samples", 0)
+            samples.append(total)
+        ax_n.plot(samples, smoothed, label=name)
     ax.set_xlabel("wall-clock time (s)")
     ax.set_ylabel("reward (10-step moving mean)")
-    ax.grid(alpha=0.3)
+    ax_n.set_xlabel("trained samples")
+    for a in (ax, ax_n):
+        a.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -262,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(REPO / "examples" / "bench_modes.yaml"))
     parser.add_argument("--entries", default=",".join(ENTRIES),
                         help=f"comma-separated, of {', '.join(ENTRIES)}")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--runs", type=int, default=3, help="runs of every entry (interleaved)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of throughput")

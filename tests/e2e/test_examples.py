@@ -92,9 +92,15 @@ def test_the_multi_turn_examples_play_episodes(example, tiny_model, tmp_path):
     assert len(records) == 2
     episodes = counters["reflow_rollout_episodes_total"]
     assert episodes >= 32  # two batches of 16 samples, each one episode
-    # Several turns each, an environment's answer between them: a tiny random model
-    # rarely guesses right or answers, so most episodes run to max_turns or the
-    # token budget (tests/unit/test_worker_multiturn.py pins the turns exactly).
-    assert counters["reflow_rollout_episode_turns_total"] >= 2 * episodes
+    turns = counters["reflow_rollout_episode_turns_total"]
+    if example == "guess_number.yaml":
+        # Several turns each, the game's feedback between them: a tiny random model
+        # rarely guesses right, so most episodes run to max_turns or the token budget
+        # (tests/unit/test_worker_multiturn.py pins the turns exactly).
+        assert turns >= 2 * episodes
+    else:
+        # A turn without a tool call is the final answer: a tiny random model never
+        # writes a tool call, so each episode is one turn.
+        assert turns >= episodes
     # Observation tokens are not trained: fewer loss tokens than generated and observed.
     assert all(r["trained_tokens"] > 0 for r in records)

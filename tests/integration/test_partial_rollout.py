@@ -52,7 +52,7 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     worker = RolloutWorker(
         "partial", spec, _vllm_factory(spec), RepeatTask(context=TaskContext(seed=0)), replay,
-        encode=lambda s: tokenizer.encode(s, add_special_tokens=False),
+        encode=lambda prompt: tokenizer.encode(prompt.text, add_special_tokens=False),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     worker.start()

@@ -87,7 +87,9 @@ def test_samples_a_command_and_its_children(tmp_path):
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["roles"]["other"]["processes"] == 2
-    assert result["roles"]["other"]["cpu_s"] >= 0.25
+    # CPU time, not wall time: the child burns 0.3 s of it whatever the load; the
+    # sampler may miss what it burnt after the last sample before it exited.
+    assert result["roles"]["other"]["cpu_s"] >= 0.1
     assert result["window"] == "the whole run"
 
 

@@ -1,6 +1,7 @@
 """Replay-buffer throughput and latency on the embedded Redis.
 
     python bench/replay_buffer.py --out bench/out/replay_buffer.json
+    python bench/replay_buffer.py --appendfsync everysec,always --out bench/out/replay_aof.json
 
 Measures (1) put throughput: GRPO groups put the way a rollout worker puts
 them, in samples/s; (2) the latency of composing and leasing a batch of 256
@@ -10,7 +11,9 @@ and every few rounds publishes a version that evicts what grew too stale.
 The headline goes through the ReplayStore (Redis round trips, Lua, decoding
 to Trajectory objects) in one process with the GC settings `reflow serve`
 uses; `--grpc` adds the same figures through a loopback gRPC server, which is
-what the trainer sees.
+what the trainer sees. `--appendfsync` runs it all once per fsync policy of the
+append-only file, each on a fresh embedded Redis (in `--data-dir`: fsync costs
+what that disk makes it cost), to price `always` against `everysec`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from reflow.core.config import ReplayConfig
 from reflow.core.types import Segment, Trajectory
-from reflow.replay.embedded import EmbeddedRedis
+from reflow.replay.embedded import EmbeddedRedis, check_appendfsync
 from reflow.replay.store import ReplayStore
 
 
@@ -74,7 +77,7 @@ def bench_sample(client, job: str, args) -> list[float]:
     return latencies[args.warmup:]
 
 
-def run(client, label: str, args) -> dict:
+def run(client, label: str, appendfsync: str, args) -> dict:
     job = f"bench-{uuid.uuid4().hex[:8]}"
     client.configure(job, ReplayConfig(replay_cap=0.5, max_staleness=2))
     put_rate = bench_put(client, job, args)
@@ -84,6 +87,7 @@ def run(client, label: str, args) -> dict:
     lat = bench_sample(client, job, args)
     return {
         "path": label,
+        "appendfsync": appendfsync,
         "put_samples_per_s": put_rate,
         "sample_b256_p50_ms": statistics.median(lat),
         "sample_b256_p99_ms": percentile(lat, 0.99),
@@ -104,7 +108,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=220)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--grpc", action="store_true", help="also measure through gRPC")
+    parser.add_argument("--appendfsync", default="everysec",
+                        help="fsync policies of Redis's append-only file to measure, comma "
+                        "separated (everysec, always); the first is the headline")
+    parser.add_argument("--data-dir", default=None,
+                        help="where each Redis keeps its append-only file (default: a temp dir)")
     args = parser.parse_args()
+    try:
+        modes = [check_appendfsync(m.strip(), "--appendfsync")
+                 for m in args.appendfsync.split(",")]
+    except ValueError as err:
+        parser.error(str(err))
 
     from reflow.procs import tune_gc
     from reflow.replay.client import GrpcReplayClient, InprocReplayClient
@@ -113,24 +127,30 @@ def main() -> int:
     # The GC settings `reflow serve` applies to every service process.
     tune_gc()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        redis = EmbeddedRedis(tmp).start()
-        try:
-            store = ReplayStore.from_url(redis.url)
-            results = [run(InprocReplayClient(store), "store", args)]
-            if args.grpc:
-                server, port = serve(store, "127.0.0.1:0")
-                client = GrpcReplayClient(f"127.0.0.1:{port}")
-                results.append(run(client, "grpc", args))
-                client.close()
-                server.stop(0)
-        finally:
-            redis.stop()
+    results = []
+    for mode in modes:
+        with tempfile.TemporaryDirectory(dir=args.data_dir) as tmp:
+            redis = EmbeddedRedis(tmp, appendfsync=mode).start()
+            try:
+                store = ReplayStore.from_url(redis.url)
+                results.append(run(InprocReplayClient(store), "store", mode, args))
+                if args.grpc:
+                    server, port = serve(store, "127.0.0.1:0")
+                    client = GrpcReplayClient(f"127.0.0.1:{port}")
+                    results.append(run(client, "grpc", mode, args))
+                    client.close()
+                    server.stop(0)
+            finally:
+                redis.stop()
 
-    print(f"{'path':<6} {'put samples/s':>14} {'b256 p50 ms':>12} {'b256 p99 ms':>12} {'mean ms':>8}")
+    print(f"{'path':<6} {'appendfsync':<11} {'put samples/s':>14} {'vs first':>8} "
+          f"{'b256 p50 ms':>12} {'b256 p99 ms':>12} {'mean ms':>8}")
     for r in results:
-        print(f"{r['path']:<6} {r['put_samples_per_s']:>14,.0f} {r['sample_b256_p50_ms']:>12.2f} "
-              f"{r['sample_b256_p99_ms']:>12.2f} {r['sample_b256_mean_ms']:>8.2f}")
+        base = next(b for b in results if b["path"] == r["path"])
+        print(f"{r['path']:<6} {r['appendfsync']:<11} {r['put_samples_per_s']:>14,.0f} "
+              f"{r['put_samples_per_s'] / base['put_samples_per_s']:>7.2f}x "
+              f"{r['sample_b256_p50_ms']:>12.2f} {r['sample_b256_p99_ms']:>12.2f} "
+              f"{r['sample_b256_mean_ms']:>8.2f}")
     headline = {k: results[0][k] for k in ("put_samples_per_s", "sample_b256_p50_ms", "sample_b256_p99_ms")}
     headline["runs"] = results
     headline["settings"] = {k: v for k, v in vars(args).items() if k != "out"}

@@ -1,6 +1,7 @@
 """The `reflow` command line.
 
-    reflow run CONFIG [--out DIR] [--dry-run] [section.field=value ...]
+    reflow run CONFIG [--out DIR] [--dry-run] [--redis-appendfsync everysec|always]
+               [section.field=value ...]
     reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P] [--insecure-no-auth]
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 SERVICES = ("api", "scheduler", "replay", "rollout", "trainer", "worker")
 
@@ -49,13 +51,64 @@ def _load_spec(config: str, overrides: list[str], local_paths: bool = True):
 def cmd_run(args: argparse.Namespace) -> int:
     from reflow.core.config import dump_job_spec
 
+    if args.resume:
+        return _resume_run(args)
+    if not args.config:
+        print("error: a JobSpec file is required (or --resume RUN_DIR)", file=sys.stderr)
+        return 2
     spec = _load_spec(args.config, args.overrides)
+    appendfsync = _appendfsync(args)
+    if appendfsync is None:
+        return 2
     if args.dry_run:
         print(dump_job_spec(spec), end="")
         return 0
     from reflow.launcher import run_local
 
-    return run_local(spec, args.out)
+    return run_local(spec, args.out, appendfsync=appendfsync)
+
+
+def _appendfsync(args: argparse.Namespace) -> str | None:
+    """--redis-appendfsync, checked; None (and the error printed) if Redis would refuse it."""
+    from reflow.replay.embedded import check_appendfsync
+
+    try:
+        return check_appendfsync(args.redis_appendfsync, "--redis-appendfsync")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def _resume_run(args: argparse.Namespace) -> int:
+    """`reflow run --resume RUN_DIR`: checked before anything starts."""
+    from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
+
+    if args.config or args.overrides or args.out:
+        print("error: --resume continues RUN_DIR as its config.yaml says; give no config "
+              "file, overrides or --out", file=sys.stderr)
+        return 2
+    run_dir = Path(args.resume).absolute()
+    try:
+        info = check_resume_dir(run_dir)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    job_id = str(info.state.get("job_id", ""))
+    if not job_id or not (run_dir / "config.yaml").is_file():
+        print(f"error: --resume {run_dir}: {info.path} names no job, or the run has no "
+              "config.yaml; it was not written by `reflow run`", file=sys.stderr)
+        return 2
+    spec = _load_spec(str(run_dir / "config.yaml"), [])
+    appendfsync = _appendfsync(args)
+    if appendfsync is None:
+        return 2
+    if args.dry_run:
+        print(f"would resume job {job_id} from {info.path} (step {info.step})")
+        return 0
+    from reflow.launcher import run_local
+
+    print(f"resuming job {job_id} from {info.path.name} (step {info.step})", flush=True)
+    return run_local(spec, str(run_dir), resume_job_id=job_id, appendfsync=appendfsync)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,10 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a whole job locally, every service its own process")
-    run.add_argument("config", help="JobSpec YAML file")
+    run.add_argument("config", nargs="?", help="JobSpec YAML file")
     run.add_argument("overrides", nargs="*", metavar="section.field=value")
     run.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue the stopped or failed run in RUN_DIR from its newest "
+                     "committed checkpoint, as its config.yaml says (no config file, no overrides)")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    run.add_argument("--redis-appendfsync", default="everysec", metavar="everysec|always",
+                     help="when the run's Redis fsyncs its append-only file: everysec (default; "
+                     "a crash loses up to ~1 s of writes) or always (loses none; puts are slower)")
     run.set_defaults(fn=cmd_run)
 
     serve = sub.add_parser("serve", help="run one service (what a container runs)")
@@ -237,9 +296,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from reflow.procs import die_with_parent
+    import signal
 
+    from reflow.procs import PARENT_PID_ENV, die_with_parent
+
+    orchestrated = PARENT_PID_ENV in os.environ
     die_with_parent()
+    if orchestrated:
+        # Started by reflow (`reflow run`, the local backend): a terminal's Ctrl-C
+        # reaches every process of the group at once, but the parent stops its
+        # services in order (the trainer checkpoints, the buffer goes last); this
+        # one goes on SIGTERM or when its parent dies.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     parser = build_parser()
     # Overrides may come after options (`run cfg --out d a.b=1`), which argparse
     # leaves unparsed; accept exactly those.

@@ -69,31 +69,43 @@ def _start(service: str, port: int, run_dir: Path, env: dict[str, str]):
     return procs.spawn(args, str(run_dir / "logs" / f"{service}.log"), env=env)
 
 
-def run_local(spec: JobSpec, out: str | None) -> int:
+# How long the scheduler gets to stop a job in order (a checkpoint included).
+STOP_GRACE_S = 120.0
+
+
+def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
+              appendfsync: str = "everysec") -> int:
+    """Run `spec` as a whole local stack; with `resume_job_id`, continue that job of
+    the run in `out` (its Redis, in `<out>/redis`, still holds the job, its buffer
+    and its dispatch ledger) from its newest checkpoint. `appendfsync`: when that
+    Redis fsyncs its append-only file (replay.embedded.APPENDFSYNC)."""
     import httpx
 
     from reflow import procs, rpc
     from reflow.replay.embedded import EmbeddedRedis
     from reflow.report import plot, read_metrics, summarize
     from reflow.scheduler.client import GrpcSchedulerClient
+    from reflow.core.errors import FailedPrecondition, NotFound
     from reflow.scheduler.local import record_endpoints
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out or f"runs/{spec.name}-{stamp}").absolute()
-    if (run_dir / "metrics.jsonl").exists():
-        print(f"error: {run_dir} already holds a run; pick another --out", file=sys.stderr)
+    if (run_dir / "metrics.jsonl").exists() and not resume_job_id:
+        print(f"error: {run_dir} already holds a run; pick another --out, or continue it "
+              f"with `reflow run --resume {run_dir}`", file=sys.stderr)
         return 2
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_job_spec(spec))
+    if not resume_job_id:
+        (run_dir / "config.yaml").write_text(dump_job_spec(spec))
 
     started = []
     redis = None
     # SIGTERM ends a run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    job_id = f"{spec.name}-{stamp}"
+    job_id = resume_job_id or f"{spec.name}-{stamp}"
     phase = "FAILED"
     try:
-        redis = EmbeddedRedis(run_dir / "redis").start()
+        redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync).start()
         # The roots this run's services accept paths under: the run directory's
         # parent, and the models root (by default the directory holding the spec's
         # model: `reflow run` trusts its own command line, not the network).
@@ -121,7 +133,19 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         wait_http(f"{api}/healthz", 60)
         headers = {"Authorization": f"Bearer {token}"}
         scheduler = GrpcSchedulerClient(f"127.0.0.1:{sched_port}")
-        scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
+        if resume_job_id:
+            try:
+                scheduler.resume(job_id)
+            except NotFound:
+                print(f"error: the run's Redis ({run_dir / 'redis'}) no longer holds job "
+                      f"{job_id}: its buffer and dispatch ledger are gone, so a resume would "
+                      "skip or repeat samples", file=sys.stderr)
+                return 2
+            except FailedPrecondition as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+        else:
+            scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
         print(f"job {job_id}: run directory {run_dir}", flush=True)
         print(f"REST API {api} (bearer token in {token_file})", flush=True)
         progress = _Progress(spec.trainer.num_steps)
@@ -155,8 +179,11 @@ def run_local(spec: JobSpec, out: str | None) -> int:
         print("\ninterrupted: stopping the job and every process it started", flush=True)
         phase = "STOPPED"
     finally:
+        # The API, then the scheduler, each alone first: the scheduler stops its job
+        # in order (the trainer checkpoints the step it reached, the buffer goes
+        # last) before anything left is taken down.
         for proc in reversed(started):
-            procs.terminate_tree(proc.pid, timeout_s=20)
+            procs.stop_gracefully(proc, timeout_s=STOP_GRACE_S)
         if redis is not None:
             redis.stop()
         _reap_leftovers()

@@ -8,32 +8,145 @@ for such work (a weight update, a batch long-poll): those are named as long
 methods, wait no longer than the caller's deadline, and may hold at most
 `MAX_LONG_CALLS` of the `MAX_WORKERS` handler threads at once, so short calls
 and grpc.health.v1 (what Kubernetes probes) always find a free thread.
+
+Transient faults, in layers: a handler runs inside its caller's deadline
+(`core.deadline`), so a Redis that stays down past its retries is answered
+UNAVAILABLE in time; a channel retries UNAVAILABLE by itself, by gRPC's retry
+policy, for the methods that are safe to send twice (`RETRIED_METHODS`, each
+with why); a caller that polls anyway tolerates a few failures in a row
+(`core.errors.ConsecutiveFailures`). Every call carries a deadline, which
+bounds its retries too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from reflow.core.deadline import scope as deadline_scope
+from reflow.core.errors import Unavailable
+
 logger = logging.getLogger(__name__)
 
 # Batches of trajectories can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
+SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
+]
+
+# gRPC's retry policy (gRFC A6), for the methods below: five attempts, the
+# retries about 0.5, 1, 2 and 4 s apart (gRPC adds ±20% jitter), so a server
+# that restarts within about 6 s is not seen as down. Only UNAVAILABLE: the
+# server was not reached, or went away. DEADLINE_EXCEEDED is not retried: the
+# deadline covers every attempt, so when it passes no time is left to retry in.
+RETRY_POLICY = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.5s",
+    "maxBackoff": "4s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+# The methods a channel retries, and why sending each twice is safe (a reply
+# may be lost after the server acted on the request).
+RETRIED_METHODS: dict[str, dict[str, str]] = {
+    "reflow.v1.ReplayBuffer": {
+        "Configure": "stores the same settings again",
+        "Put": "keyed by group id: a group put twice is stored once (store.put)",
+        "Sample": "a lease whose reply was lost is never released: it expires after "
+                  "lease_ttl_s and its samples go back to their pools (at-least-once "
+                  "delivery); a retry leases others meanwhile",
+        "Release": "an unknown or released lease releases nothing",
+        "RenewLease": "sets the same deadline again",
+        "ReturnLease": "a returned lease is gone; returning it again returns nothing",
+        "AcquireDispatch": "a grant whose reply was lost counts toward the budget unused "
+                           "whether or not the call is retried: it errs toward dispatching "
+                           "less, never more",
+        "PublishVersion": "records the same version and evicts nothing more",
+        "GetStats": "a read",
+    },
+    "reflow.v1.Rollout": {
+        "StartJob": "a start of the job the worker already runs is a no-op",
+        "StopJob": "stopping a stopped job does nothing more",
+        "UpdateWeights": "a call for the version being (or just) loaded joins that update",
+        "GetStats": "a read",
+        "SubmitGroup": "keyed by group id: a group submitted again is refused, not "
+                       "generated twice",
+        "WaitSamples": "a read of the events after since_seq",
+    },
+    "reflow.v1.Trainer": {
+        "StartJob": "a start of the job the trainer already runs (or serves) is a no-op",
+        "StopJob": "stopping a stopped job does nothing more",
+        "GetStatus": "a read",
+        "Reconfigure": "the same replicas again take the same next epoch",
+    },
+    "reflow.v1.Scheduler": {
+        "GetJob": "a read",
+        "StopJob": "stopping a stopped job returns its record",
+        "ListJobs": "a read",
+        "GetJobLogs": "a read",
+        "GetJobMetrics": "a read",
+    },
+    "reflow.v1.Worker": {
+        "SetRole": "a request for the role the worker has answers with its status",
+        "GetRole": "a read",
+    },
+}
+# The methods sent once, and why; a caller that wants a retry decides itself.
+NOT_RETRIED_METHODS: dict[str, dict[str, str]] = {
+    "reflow.v1.Rollout": {
+        "InitWeightSync": "once set up, the group refuses a second set-up: a retry after a "
+                          "lost reply would fail a join that worked",
+        "Evaluate": "minutes of generation, run again by a retry; the next version is "
+                    "evaluated anyway",
+    },
+    "reflow.v1.Trainer": {
+        "JoinGroup": "a join of an epoch already joined is refused: a retry after a lost "
+                     "reply would fail a join that worked",
+    },
+    "reflow.v1.Scheduler": {
+        "SubmitJob": "without a job id each call creates a job",
+        "ResumeJob": "a repeat of a resume that worked finds the job active, and is refused",
+        "RequestFlip": "each call queues one more flip",
+    },
+}
+
+
+def service_config() -> str:
+    """The channels' service config (JSON): the retry policy on `RETRIED_METHODS`."""
+    names = [{"service": service, "method": method}
+             for service, methods in RETRIED_METHODS.items() for method in methods]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": RETRY_POLICY}]})
+
+
+# A request up to this size is kept for a retry (gRPC's default keeps 256 KiB;
+# a put of a few groups is larger).
+RETRY_BUFFER_BYTES = 32 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    *SERVER_OPTIONS,
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", service_config()),
+    ("grpc.per_rpc_retry_buffer_size", RETRY_BUFFER_BYTES),
+    # Reconnect to a restarted server within 2 s (gRPC's default backoff grows to
+    # 120 s, and calls fail at once meanwhile).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 DEFAULT_DEADLINE_S = 30.0
 MAX_WORKERS = 16
 MAX_LONG_CALLS = 8
 # The longest any handler waits, whatever deadline the caller set (or none).
 MAX_HANDLER_WAIT_S = 600.0
+# What a handler leaves of its caller's deadline for the reply to travel.
+REPLY_MARGIN_S = 0.05
 
 
 class LongCallGuard(grpc.ServerInterceptor):
@@ -74,13 +187,34 @@ class LongCallGuard(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
 
+class DeadlineScope(grpc.ServerInterceptor):
+    """Runs every unary handler within its caller's remaining deadline
+    (`core.deadline.scope`), less the reply's margin: core code that retries on
+    its own (Redis) gives up in time for the handler to answer."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def scoped(request, context):
+            remaining = context.time_remaining()
+            with deadline_scope(None if remaining is None else remaining - REPLY_MARGIN_S):
+                return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            scoped, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
 def wait_budget_s(context: grpc.ServicerContext, cap_s: float = MAX_HANDLER_WAIT_S) -> float:
     """How long a handler may wait on long work: the caller's remaining deadline
     less a margin for the reply, never more than `cap_s`."""
     remaining = context.time_remaining()
     if remaining is None:
         return cap_s
-    return max(0.0, min(cap_s, remaining - 0.05))
+    return max(0.0, min(cap_s, remaining - REPLY_MARGIN_S))
 
 
 def make_server(
@@ -102,8 +236,8 @@ def make_server(
     guard = LongCallGuard(long_methods, limit)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=names[0]),
-        options=CHANNEL_OPTIONS,
-        interceptors=[guard],
+        options=SERVER_OPTIONS,
+        interceptors=[guard, DeadlineScope()],
     )
     server.long_call_guard = guard  # for tests and metrics
     register(server)
@@ -120,7 +254,26 @@ def make_server(
 
 
 def channel(address: str) -> grpc.Channel:
+    """Every client's channel: message limits, the retry policy, fast reconnects."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# Codes that say "not now" rather than "no": what a polling caller may tolerate.
+TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@contextlib.contextmanager
+def transient_as_unavailable(what: str, also: tuple = ()) -> Iterator[None]:
+    """Within the block, a call that failed with a transient code (after the
+    channel's own retries), or one of the codes in `also`, raises
+    `core.errors.Unavailable` naming `what`, so callers that never see gRPC can
+    tell it from a refusal."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        if err.code() not in TRANSIENT_CODES and err.code() not in also:
+            raise
+        raise Unavailable(f"{what}: {err.code().name}: {err.details()}") from err
 
 
 def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
@@ -145,9 +298,13 @@ def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
 def abort_on(context: grpc.ServicerContext, err: Exception) -> None:
     """Map a core exception to a status code: user errors are INVALID_ARGUMENT,
     a missing job NOT_FOUND, a clash ALREADY_EXISTS, a wrong state
-    FAILED_PRECONDITION, a ceiling RESOURCE_EXHAUSTED, anything else INTERNAL."""
+    FAILED_PRECONDITION, a ceiling RESOURCE_EXHAUSTED, a store or peer that
+    stayed unreachable UNAVAILABLE (callers retry it), anything else INTERNAL."""
     from reflow.core.errors import Conflict, FailedPrecondition, ResourceExhausted
 
+    if isinstance(err, Unavailable):
+        logger.warning("handler: %s", err)
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
     if isinstance(err, FailedPrecondition):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
     if isinstance(err, ResourceExhausted):

@@ -8,7 +8,8 @@ data), REFLOW_RUNS_DIR and REFLOW_MODELS_DIR (scheduler, rollout, trainer, worke
 the roots every path in a spec or RPC must lie under), REFLOW_MAX_* (scheduler:
 operator ceilings, see core/limits.py), REFLOW_SCHEDULER_ADDRESS,
 REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api; without a token the
-API refuses to start unless given --insecure-no-auth),
+API refuses to start unless given --insecure-no-auth), REFLOW_REDIS_APPENDFSYNC
+(the embedded Redis's fsync policy: everysec, the default, or always),
 REFLOW_METRICS_PORT (Prometheus /metrics of every service).
 """
 
@@ -27,7 +28,10 @@ logger = logging.getLogger("reflow.serve")
 def _wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        # A service that reflow itself started ignores SIGINT (reflow.cli.main):
+        # its parent stops it in order.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: stop.set())
     stop.wait()
 
 
@@ -35,10 +39,15 @@ def _redis_url() -> tuple[str, object | None]:
     url = os.environ.get("REDIS_URL")
     if url:
         return url, None
-    from reflow.replay.embedded import EmbeddedRedis
+    from reflow.replay.embedded import APPENDFSYNC_ENV, EmbeddedRedis, check_appendfsync
 
+    try:
+        appendfsync = check_appendfsync(os.environ.get(APPENDFSYNC_ENV, "everysec"),
+                                        APPENDFSYNC_ENV)
+    except ValueError as err:
+        raise SystemExit(f"embedded redis: {err}") from None
     data_dir = Path(os.environ.get("REFLOW_DATA_DIR", ".reflow/redis"))
-    embedded = EmbeddedRedis(data_dir).start()
+    embedded = EmbeddedRedis(data_dir, appendfsync=appendfsync).start()
     return embedded.url, embedded
 
 
@@ -62,6 +71,12 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
         return _serve_api(host, port, insecure_no_auth)
     if insecure_no_auth:
         raise SystemExit("--insecure-no-auth applies to `reflow serve api` only")
+    if name in ("rollout", "trainer", "worker"):
+        # Now, before job threads import it at once: a worker's rollout StartJob and
+        # its trainer loop each import it on a thread of their own (reflow.models).
+        from reflow.models import import_transformers
+
+        import_transformers()
     if name == "replay":
         from reflow.replay.server import serve
         from reflow.replay.store import ReplayStore
@@ -94,12 +109,13 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
         core = TrainerService(metrics=metrics)
         _start_metrics_server(metrics.registry)
         server, _ = serve(core, address)
-        shutdown = lambda: None  # noqa: E731 - the train thread dies with the process
+        # SIGTERM (a pod evicted, a `helm upgrade`) stops the job gracefully: the
+        # step reached is checkpointed before the process exits.
+        shutdown = core.shutdown
     elif name == "worker":
         server, shutdown = _serve_worker(address)
     elif name == "scheduler":
-        import redis
-
+        from reflow import redisconn
         from reflow.scheduler.jobs import JobStore
         from reflow.scheduler.server import serve
         from reflow.scheduler.service import Scheduler
@@ -119,7 +135,7 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
             limits = OperatorLimits.from_env()
         except ValueError as err:
             raise SystemExit(f"scheduler settings: {err}") from None
-        core = Scheduler(JobStore(redis.Redis.from_url(url)), backend, PathRoots.from_env(),
+        core = Scheduler(JobStore(redisconn.connect(url)), backend, PathRoots.from_env(),
                          limits)
         from reflow.scheduler.metrics import scheduler_registry
 

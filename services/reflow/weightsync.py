@@ -172,6 +172,11 @@ def make_group(
     backend: str,
     timeout_s: float = 600.0,
 ) -> SyncGroup:
+    """Rendezvous on a private TCPStore and build the group. `timeout_s` bounds the
+    rendezvous and every collective of the group: a peer that died or hangs
+    becomes an error after that long instead of a wait forever (gloo raises in the
+    waiting call; NCCL's watchdog aborts the communicator and, by default, the
+    process)."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
@@ -180,7 +185,9 @@ def make_group(
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     elif backend == "nccl":
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # without options NCCL keeps its own 10-minute default
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
     return SyncGroup(group, store)

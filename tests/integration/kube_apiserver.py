@@ -2,9 +2,10 @@
 in a daemon thread, that the official `kubernetes` client talks to.
 
 Tests against it exercise our HTTP calls against the Kubernetes API conventions,
-not a real cluster: no controllers, kubelet, admission, authentication or
-server-side apply run here. For core/v1 pods (with /status and /log) and
-coordination.k8s.io/v1 leases it keeps the conventions our code relies on:
+not a real cluster: no controllers, kubelet, admission (but namespace
+lifecycle), authentication or server-side apply run here. For core/v1 pods
+(with /status and /log), core/v1 namespaces and coordination.k8s.io/v1 leases
+it keeps the conventions our code relies on:
 
 - one global resourceVersion, bumped by every write; a write that changes
   nothing is a no-op and bumps nothing, as in etcd;
@@ -14,6 +15,11 @@ coordination.k8s.io/v1 leases it keeps the conventions our code relies on:
   a PUT of a missing lease creates it, of a missing pod is 404;
 - create: uid, creationTimestamp, namespace, generateName; 409 AlreadyExists;
   a resourceVersion in the body is refused as the API server refuses it (500);
+- namespaces: cluster-scoped, served at /api/v1/namespaces[/name]; the server
+  starts with default, kube-node-lease, kube-public and kube-system, as a
+  cluster does; a namespaced object created (or PUT into being) in a namespace
+  that does not exist is 404 NotFound `namespaces "x" not found`, as the
+  NamespaceLifecycle admission plugin answers;
 - status: writes to a pod leave its status alone, writes to /status change only status;
 - delete at once (no finalizers, no grace period), with uid/resourceVersion
   preconditions (409), and a DELETED event;
@@ -29,6 +35,8 @@ resets it to Pending); objects are stored as sent, without defaulting,
 re-encoding, managedFields or generation; pod spec immutability is not enforced;
 reads and lists always answer the latest state (resourceVersion, limit and
 continue are ignored); watch bookmarks and `follow` on logs are not modelled;
+a deleted namespace goes at once with everything in it (no Terminating phase
+to wait through), and namespaces have no /status or /finalize;
 a watch from a resourceVersion newer than the current one waits for it rather
 than failing. Selector and patch details are in `kube_apimachinery.py`; the
 store, verbs and watch history in `kube_store.py`.
@@ -52,9 +60,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from tests.integration.kube_apimachinery import (REASONS, ApiError, parse_field_selector,
                                                  parse_label_selector, status_object)
-from tests.integration.kube_store import RESOURCES, Resource, ResourceStore, int_param
+from tests.integration.kube_store import (RESOURCES, SYSTEM_NAMESPACES, Resource, ResourceStore,
+                                          int_param)
 
-__all__ = ["ApiError", "KubeApiServer", "worker_pod"]
+__all__ = ["ApiError", "KubeApiServer", "namespace", "worker_pod"]
 
 _TRUE = {"1", "t", "T", "true", "True", "TRUE"}
 _PATH = re.compile(r"/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
@@ -67,10 +76,12 @@ def _discovery() -> dict[str, dict]:
         listed = []
         for res in RESOURCES.values():
             if res.group == group:
-                listed.append({"name": res.plural, "namespaced": True, "kind": res.kind,
+                listed.append({"name": res.plural, "singularName": res.kind.lower(),
+                               "namespaced": res.namespaced, "kind": res.kind,
                                "verbs": ["create", "delete", "get", "list", "patch", "update",
                                          "watch"]})
-                listed += [{"name": f"{res.plural}/{sub}", "namespaced": True, "kind": res.kind,
+                listed += [{"name": f"{res.plural}/{sub}", "singularName": "",
+                            "namespaced": res.namespaced, "kind": res.kind,
                             "verbs": verbs} for sub, verbs in
                            ((("status", ["get", "patch", "update"]), ("log", ["get"]))
                             if res.status else ())]
@@ -131,6 +142,8 @@ class KubeApiServer:
 
     def __init__(self, history: int = 1000) -> None:
         self.store = ResourceStore(history)
+        for name in SYSTEM_NAMESPACES:
+            self.create(namespace(name))
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._faults: list[list] = []   # [method, path regex, status, count left]
@@ -198,17 +211,20 @@ class KubeApiServer:
     # --- direct store access (as the kubelet or a controller would write) ---
 
     def create(self, obj: dict) -> dict:
-        """Store `obj` (a Pod or Lease, status included) as a create would; a
-        resourceVersion it carries is dropped."""
+        """Store `obj` (a Pod, Lease or Namespace, status included) as a create would;
+        a resourceVersion it carries is dropped. Like any create, it needs the
+        object's namespace to exist (ApiError 404)."""
         res = next((r for r in RESOURCES.values() if r.kind == obj.get("kind")), None)
         if res is None:
             raise ValueError(f"kind {obj.get('kind')!r} is not served")
         body = copy.deepcopy(obj)
         body.setdefault("metadata", {}).pop("resourceVersion", None)
-        return self.store.create(res, body["metadata"].get("namespace") or "default", body)
+        ns = (body["metadata"].get("namespace") or "default") if res.namespaced else ""
+        return self.store.create(res, ns, body)
 
     def get(self, resource: str, namespace: str, name: str) -> dict:
-        """The stored object; ApiError 404 when there is none."""
+        """The stored object (namespace "" for a namespace); ApiError 404 when there
+        is none."""
         return self.store.get(RESOURCES[resource], namespace, name)
 
     def update_status(self, namespace: str, pod_name: str, status_patch: dict) -> dict:
@@ -217,6 +233,7 @@ class KubeApiServer:
                                 "application/merge-patch+json", {"status": status_patch}, True)
 
     def delete(self, resource: str, namespace: str, name: str) -> dict:
+        """Delete at once (namespace "" for a namespace, which takes its objects along)."""
         return self.store.delete(RESOURCES[resource], namespace, name, None)
 
     def set_log(self, namespace: str, pod_name: str, text: str) -> None:
@@ -343,10 +360,13 @@ class KubeApiServer:
         res = RESOURCES.get(match["plural"]) if match else None
         if res is None or (match["core"] and res.group) or (match["group"] and (
                 match["group"], match["version"]) != (res.group, res.version)) \
-                or (match["name"] and not match["ns"]) \
+                or (match["name"] and not match["ns"] and res.namespaced) \
+                or (match["ns"] and not res.namespaced) \
                 or match["sub"] not in (None, *(("status", "log") if res.status else ())):
             raise ApiError(404, "the server could not find the requested resource")
         ns, name, sub = match["ns"], match["name"], match["sub"]
+        if not res.namespaced:
+            ns = ""
         try:
             body = json.loads(raw) if raw else None
         except ValueError as err:
@@ -354,14 +374,15 @@ class KubeApiServer:
         verbs = {(None, "GET"), (None, "POST")} if name is None else \
             {(None, "GET"), (None, "PUT"), (None, "PATCH"), (None, "DELETE"), ("status", "GET"),
              ("status", "PUT"), ("status", "PATCH"), ("log", "GET")}
-        if (sub, method) not in verbs or (method == "POST" and not ns):
+        if (sub, method) not in verbs or (method == "POST" and not ns and res.namespaced):
             raise ApiError(405, "the server does not allow this method on the requested resource")
         if name is None and method == "GET":
             labels = parse_label_selector(query.get("labelSelector", ""))
             fields = parse_field_selector(query.get("fieldSelector", ""), res.fields)
+            scope = ns if res.namespaced else None
             if query.get("watch") in _TRUE:
-                return self._watch(h, res, ns, labels, fields, query)
-            return self._send(h, 200, self.store.list(res, ns, labels, fields))
+                return self._watch(h, res, scope, labels, fields, query)
+            return self._send(h, 200, self.store.list(res, scope, labels, fields))
         if method == "POST":
             return self._send(h, 201, self.store.create(res, ns, body))
         if sub == "log":
@@ -377,7 +398,7 @@ class KubeApiServer:
             return self._send(h, 200, self.store.patch(res, ns, name, content_type, body,
                                                        status=sub == "status"))
         deleted = self.store.delete(res, ns, name, body)
-        if res.plural == "pods":
+        if res.plural in ("pods", "namespaces"):
             return self._send(h, 200, deleted)
         self._send(h, 200, {"kind": "Status", "apiVersion": "v1", "metadata": {},
                             "status": "Success", "details": res.details(
@@ -434,6 +455,11 @@ class KubeApiServer:
             return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
+
+
+def namespace(name: str) -> dict:
+    """A Namespace to create (`api.create(namespace("ml"))`) before its objects."""
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
 def worker_pod(name: str, ip: str = "127.0.0.1", ready: bool = True,

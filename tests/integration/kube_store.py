@@ -1,7 +1,9 @@
 """The object store behind the strict Kubernetes API test server
 (`kube_apiserver.py`): the served resources, one resourceVersion counter, the
-verbs with the API server's preconditions and answers, a bounded event history
-and the open watches, all behind one lock."""
+verbs with the API server's preconditions and answers (a namespaced object is
+created only in a namespace that exists, as the NamespaceLifecycle admission
+plugin enforces), a bounded event history and the open watches, all behind
+one lock. Cluster-scoped objects (namespaces) are stored under namespace ""."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class Resource:
     create_on_update: bool    # a PUT of a missing object creates it
     fields: tuple[str, ...]   # field selector labels
     version: str = "v1"
+    namespaced: bool = True
 
     @property
     def api_version(self) -> str:
@@ -61,7 +64,12 @@ RESOURCES = {
                      _META + ("spec.nodeName", "spec.restartPolicy", "status.phase",
                               "status.podIP")),
     "leases": Resource("leases", "Lease", "coordination.k8s.io", False, False, True, _META),
+    "namespaces": Resource("namespaces", "Namespace", "", False, True, False,
+                           ("metadata.name", "status.phase"), namespaced=False),
 }
+NAMESPACES = RESOURCES["namespaces"]
+# What every cluster starts with.
+SYSTEM_NAMESPACES = ("default", "kube-node-lease", "kube-public", "kube-system")
 
 
 def _now() -> str:
@@ -119,7 +127,7 @@ class ResourceStore:
     def _commit(self, res: Resource, kind: str, old: dict | None, new: dict) -> dict:
         self.rv += 1
         new["metadata"]["resourceVersion"] = str(self.rv)
-        ns, name = new["metadata"]["namespace"], new["metadata"]["name"]
+        ns, name = new["metadata"].get("namespace", ""), new["metadata"]["name"]
         if kind == "DELETED":
             del self.objects[(res.plural, ns, name)]
             self.logs.pop((ns, name), None)
@@ -165,7 +173,9 @@ class ResourceStore:
                            f"{body.get('kind')}) does not match the expected "
                            f"({res.api_version}, {res.kind})")
         meta = body.setdefault("metadata", {})
-        if meta.get("namespace") not in (None, "", ns):
+        if not res.namespaced:
+            meta.pop("namespace", None)  # as the API server clears it on cluster-scoped kinds
+        elif meta.get("namespace") not in (None, "", ns):
             raise ApiError(400, "the namespace of the provided object does not match the "
                            "namespace sent on the request")
         if name is not None and meta.get("name") not in (None, "", name):
@@ -183,6 +193,9 @@ class ResourceStore:
 
     def _create(self, res: Resource, ns: str, obj: dict) -> dict:
         meta = obj["metadata"]
+        if res.namespaced and (NAMESPACES.plural, "", ns) not in self.objects:
+            # NamespaceLifecycle admission, before anything else is looked at.
+            raise NAMESPACES.not_found(ns)
         if not meta.get("name"):
             if not meta.get("generateName"):
                 raise ApiError(422, f"{res.kind}.{res.version} is invalid: metadata.name: "
@@ -193,8 +206,14 @@ class ResourceStore:
             raise ApiError(409, f'{res.qualified} "{meta["name"]}" already exists',
                            reason="AlreadyExists", details=res.details(meta["name"]))
         obj.update(kind=res.kind, apiVersion=res.api_version)
-        meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now())
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
+        if res.namespaced:
+            meta["namespace"] = ns
         meta.pop("resourceVersion", None)
+        if res is NAMESPACES:  # what the API server and the namespace controller set
+            meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
+            obj["spec"] = {"finalizers": ["kubernetes"]}
+            obj["status"] = {"phase": "Active"}
         validate(res.kind, obj)
         return self._commit(res, "ADDED", None, obj)
 
@@ -247,7 +266,8 @@ class ResourceStore:
             result = new
             result.update(kind=res.kind, apiVersion=res.api_version)
             for key in ("name", "namespace", "uid", "creationTimestamp", "resourceVersion"):
-                meta[key] = old_meta[key]
+                if key in old_meta:
+                    meta[key] = old_meta[key]
             if res.status:
                 result.pop("status", None)
                 if "status" in existing:
@@ -266,7 +286,23 @@ class ResourceStore:
                     raise res.conflict(name, f"Precondition failed: {label} in precondition: "
                                        f"{pre[key]}, {label} in object meta: "
                                        f"{existing['metadata'][key]}")
+            if res is NAMESPACES:
+                return self._delete_namespace(existing)
             return self._commit(res, "DELETED", existing, copy.deepcopy(existing))
+
+    def _delete_namespace(self, existing: dict) -> dict:
+        """Simplified: the namespace and everything in it go at once (each with a
+        DELETED event), where a cluster marks it Terminating and its namespace
+        controller deletes the contents first. Answers the namespace as the API
+        server does, Terminating."""
+        name = existing["metadata"]["name"]
+        for (plural, ns, obj_name), obj in sorted(self.objects.items()):
+            if ns == name:
+                self._commit(RESOURCES[plural], "DELETED", obj, copy.deepcopy(obj))
+        gone = self._commit(NAMESPACES, "DELETED", existing, copy.deepcopy(existing))
+        gone["metadata"]["deletionTimestamp"] = _now()
+        gone["status"] = {"phase": "Terminating"}
+        return gone
 
     def read_log(self, ns: str, name: str, query: dict) -> str:
         with self.cond:

@@ -11,7 +11,7 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from tests.integration.kube_apiserver import KubeApiServer, worker_pod
+from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
 
 NS = "ml"
 MERGE = "application/merge-patch+json"
@@ -20,6 +20,7 @@ MERGE = "application/merge-patch+json"
 @pytest.fixture
 def api():
     with KubeApiServer() as server:
+        server.create(namespace(NS))
         yield server
 
 
@@ -70,6 +71,50 @@ def test_create_assigns_identity_and_a_second_create_is_already_exists(core):
     with pytest.raises(ApiException) as err:
         core.read_namespaced_pod("missing", NS)
     assert _status(err.value) == (404, "NotFound")
+
+
+def test_a_create_in_a_namespace_that_does_not_exist_is_not_found(api, core, leases):
+    import json
+
+    version = api.resource_version
+    with pytest.raises(ApiException) as err:
+        core.create_namespaced_pod("nowhere", _pod("a"))
+    # The Status a kube-apiserver's NamespaceLifecycle admission answers.
+    assert err.value.status == 404 and json.loads(err.value.body) == {
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": 'namespaces "nowhere" not found', "reason": "NotFound",
+        "details": {"name": "nowhere", "kind": "namespaces"}, "code": 404}
+    with pytest.raises(ApiException) as err:  # a PUT that would create a lease
+        leases.replace_namespaced_lease("l", "nowhere", _lease("l"))
+    assert _status(err.value) == (404, "NotFound") and '"nowhere"' in err.value.body
+    with pytest.raises(Exception, match='namespaces "nowhere" not found'):
+        api.create(worker_pod("w", namespace="nowhere"))  # as a controller would write it
+    assert api.resource_version == version  # nothing was written
+    assert core.list_namespaced_pod("nowhere").items == []  # lists answer empty, as a cluster's
+
+
+def test_namespaces_are_served_cluster_scoped_and_a_deleted_one_takes_its_objects(api, core):
+    names = [ns.metadata.name for ns in core.list_namespace().items]
+    assert names == ["default", "kube-node-lease", "kube-public", "kube-system", NS]
+    created = core.create_namespace({"metadata": {"name": "team-a"}})
+    assert created.status.phase == "Active" and created.metadata.uid
+    assert created.metadata.labels == {"kubernetes.io/metadata.name": "team-a"}
+    assert core.read_namespace("team-a").metadata.uid == created.metadata.uid
+    with pytest.raises(ApiException) as err:
+        core.create_namespace({"metadata": {"name": "team-a"}})
+    assert _status(err.value) == (409, "AlreadyExists")
+    core.create_namespaced_pod("team-a", _pod("a"))
+    assert core.delete_namespace("team-a")
+    with pytest.raises(ApiException) as err:
+        core.read_namespace("team-a")
+    assert _status(err.value) == (404, "NotFound")
+    assert core.list_namespaced_pod("team-a").items == []
+    with pytest.raises(ApiException) as err:
+        core.create_namespaced_pod("team-a", _pod("b"))
+    assert _status(err.value) == (404, "NotFound")
+    resources = {r.name: r.namespaced for r in client.CoreV1Api(api.client()).get_api_resources()
+                 .resources}
+    assert resources["namespaces"] is False and resources["pods"] is True
 
 
 def test_resource_versions_increase_across_all_objects_and_no_op_writes_keep_them(api, core,
@@ -345,6 +390,7 @@ def test_a_watch_from_a_version_sees_every_later_change_in_order(api, core):
 
 def test_a_watch_from_a_version_older_than_the_history_is_gone():
     with KubeApiServer(history=3) as api:
+        api.create(namespace(NS))
         core = client.CoreV1Api(api.client())
         versions = [api.create(worker_pod(f"w-{i}"))["metadata"]["resourceVersion"]
                     for i in range(5)]  # the history keeps the last three events

@@ -20,7 +20,7 @@ from reflow.scheduler.leader import LeaderLease
 from reflow.trainer import server as trainer_server
 from reflow.trainer.service import TrainerService
 
-from tests.integration.kube_apiserver import KubeApiServer, worker_pod
+from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
 
 SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 
@@ -28,6 +28,7 @@ SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 @pytest.fixture
 def kube():
     with KubeApiServer() as api:
+        api.create(namespace("ml"))
         yield api.client(), api
 
 

@@ -32,7 +32,7 @@ from reflow.scheduler.jobs import JobStore
 from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings
 from reflow.scheduler.service import Scheduler
 
-from tests.integration.kube_apiserver import KubeApiServer, worker_pod
+from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
 
 pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
@@ -64,6 +64,7 @@ def cluster(tmp_path_factory, redis_server, tiny_model):
         for i in range(NUM_WORKERS):
             rpc.wait_healthy(f"{_ip(i)}:{port}", 120)
         with KubeApiServer() as api:
+            api.create(namespace(NAMESPACE))
             yield {"api": api, "port": port, "replay": f"127.0.0.1:{replay_port}",
                    "logs": logs, "model": tiny_model, "redis": redis_server.url}
     finally:

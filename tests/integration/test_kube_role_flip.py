@@ -18,7 +18,7 @@ from reflow.scheduler.kube import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES, Ku
 from reflow.trainer import server as trainer_server
 from reflow.trainer.service import TrainerService
 
-from tests.integration.kube_apiserver import KubeApiServer, worker_pod
+from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
 
 SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 NUM_PODS = 6
@@ -35,6 +35,7 @@ class _SchedulerKilled(BaseException):
 @pytest.fixture
 def api():
     with KubeApiServer() as server:
+        server.create(namespace("ml"))
         yield server
 
 

@@ -240,7 +240,7 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
     _init(stub, world_size=3)
     assert len(engine.joined) == 1
     code, details = _code(lambda: _init(stub, world_size=3))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "once per job" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "once per trainer" in details
 
     # Out of order: refused at once, the engine never paused.
     for version in (0, 2, 7, -1):
@@ -248,6 +248,15 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
             rollout_pb2.UpdateWeightsRequest(job_id=JOB, policy_version=version), timeout=10))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "next version (1)" in details
     assert not engine.paused
+
+    # A resumed trainer's first version may skip ahead (resync), as the first update
+    # after a join only; from then on versions go in order again.
+    engine.broadcast.set()
+    resync = lambda v: stub.UpdateWeights(  # noqa: E731
+        rollout_pb2.UpdateWeightsRequest(job_id=JOB, policy_version=v, resync=True), timeout=30)
+    assert resync(7).policy_version == 7
+    code, details = _code(lambda: resync(9))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "next version (8)" in details
 
 
 def test_a_stray_update_honours_its_deadline_and_the_real_one_joins_it(replay, rollout,

@@ -186,7 +186,8 @@ def test_the_scheduler_role_is_namespaced_and_minimal():
 def test_redis_keeps_an_append_only_file_and_services_get_its_password_from_a_secret():
     docs, _ = render({})
     redis = by_kind(docs, "StatefulSet")["rl-reflow-redis"]
-    assert "--appendonly yes" in redis["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    command = redis["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "--appendonly yes --appendfsync everysec " in command
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
     replay = by_kind(docs, "Deployment")["rl-reflow-replay"]
     env = {e["name"]: e for e in replay["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -203,6 +204,18 @@ def test_redis_keeps_an_append_only_file_and_services_get_its_password_from_a_se
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "pw"}
     with pytest.raises(Exception, match="redis.external.host"):
         render({"redis": {"enabled": False}})
+
+
+def test_redis_fsyncs_every_write_when_told_and_refuses_other_policies():
+    docs, _ = render({"redis": {"appendfsync": "always"}})
+    redis = by_kind(docs, "StatefulSet")["rl-reflow-redis"]
+    assert "--appendfsync always " in redis["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    with helm.Chart.load(str(CHART)) as chart:
+        for bad in ("no", "sometimes", ""):
+            with pytest.raises(Exception, match="/redis/appendfsync"):
+                chart.validate_schema({"redis": {"appendfsync": bad}})
+            with pytest.raises(Exception):
+                chart.render({"redis": {"appendfsync": bad}}, name="rl", namespace="ml")
 
 
 def test_opt_in_servicemonitor_networkpolicy_and_dashboards_for_the_sidecar():

@@ -1,5 +1,7 @@
 import threading
+import time
 
+import pytest
 import torch
 
 from reflow.procs import free_port
@@ -32,3 +34,29 @@ def test_gloo_broadcast_round_trips_named_tensors():
     assert sent == sum(t.numel() * t.element_size() for _, t in named)
     for name, t in named:
         torch.testing.assert_close(received[name], t)
+
+
+def test_a_peer_that_never_joins_the_broadcast_is_an_error_after_the_timeout():
+    # The peer joins the group, then hangs (a dead or stuck engine): the sender's
+    # collective fails after the group's timeout instead of waiting forever.
+    port = free_port()
+    joined, release = threading.Event(), threading.Event()
+
+    def silent_peer():
+        group = make_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=1)
+        joined.set()
+        release.wait(30)
+        del group
+
+    thread = threading.Thread(target=silent_peer)
+    thread.start()
+    group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=1)
+    assert joined.wait(30)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError):
+            send_weights(group, [("w", torch.ones(4))])
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+        thread.join(30)

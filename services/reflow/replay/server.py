@@ -89,8 +89,13 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
 
     def ReturnLease(self, request, context):
         try:
-            return replay_pb2.ReturnLeaseReply(returned=self.store.return_lease(
-                request.job_id, request.lease_id))
+            if request.all:
+                if request.lease_id:
+                    raise ValueError("lease_id: leave it empty with all=true")
+                returned = self.store.return_all_leases(request.job_id)
+            else:
+                returned = self.store.return_lease(request.job_id, request.lease_id)
+            return replay_pb2.ReturnLeaseReply(returned=returned)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import redis
 
+from reflow import redisconn
 from reflow.core.config import ReplayConfig, check_job_id
 from reflow.core.types import Batch, Trajectory, group_staleness_version
 from reflow.replay import scripts
@@ -146,8 +147,11 @@ class ReplayStore:
         self._configs: dict[str, tuple[bytes, ReplayConfig, Sampler, ReplayFilter]] = {}
 
     @classmethod
-    def from_url(cls, url: str) -> ReplayStore:
-        return cls(redis.Redis.from_url(url))
+    def from_url(cls, url: str, max_outage_s: float | None = None) -> ReplayStore:
+        """A store on the Redis at `url`, whose commands ride out a Redis outage of
+        up to `max_outage_s` (redisconn.py; None: its default) before they raise."""
+        return cls(redisconn.connect(url, redisconn.MAX_OUTAGE_S if max_outage_s is None
+                                     else max_outage_s))
 
     @staticmethod
     def _key(job_id: str, name: str) -> str:
@@ -231,6 +235,15 @@ class ReplayStore:
         """Give a lease's samples back at once, as if it had expired (used when the
         batch could not be delivered)."""
         self.redis.zadd(self._key(job_id, "leases"), {lease_id: 0}, xx=True)
+        return self.expire_leases(job_id)
+
+    def return_all_leases(self, job_id: str) -> int:
+        """Give every outstanding lease of the job back at once (its trainer died:
+        the restarted one must not wait out the dead one's leases)."""
+        key = self._key(job_id, "leases")
+        leases = self.redis.zrange(key, 0, -1)
+        if leases:
+            self.redis.zadd(key, {lease: 0 for lease in leases}, xx=True)
         return self.expire_leases(job_id)
 
     def _candidates(self, job_id: str, pool: str, min_version: int) -> list[GroupInfo]:

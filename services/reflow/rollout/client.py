@@ -74,17 +74,27 @@ class GrpcRolloutClient:
         self._stub.InitWeightSync(req, timeout=deadline_s)
 
     def update_weights(self, job_id: str, policy_version: int,
-                       deadline_s: float = 300.0) -> WeightUpdate:
+                       deadline_s: float = 300.0, resync: bool = False) -> WeightUpdate:
         from reflow.v1 import rollout_pb2
 
-        req = rollout_pb2.UpdateWeightsRequest(job_id=job_id, policy_version=policy_version)
+        req = rollout_pb2.UpdateWeightsRequest(job_id=job_id, policy_version=policy_version,
+                                               resync=resync)
         reply = self._stub.UpdateWeights(req, timeout=deadline_s)
         return WeightUpdate(reply.pause_s, reply.receive_s)
 
     def stats(self, job_id: str) -> RolloutStats:
+        """Polled every step and every second: a transient failure (after the
+        channel's retries) raises `core.errors.Unavailable`, which pollers tolerate."""
+        from reflow import rpc
         from reflow.v1 import common_pb2
 
-        m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
+        import grpc
+
+        # NOT_FOUND too: a worker process that was just replaced does not run the
+        # job until the scheduler starts it there again (seconds).
+        with rpc.transient_as_unavailable(f"rollout worker {self.address}: GetStats",
+                                          also=(grpc.StatusCode.NOT_FOUND,)):
+            m = self._stub.GetStats(common_pb2.JobRef(job_id=job_id), timeout=self.deadline_s)
         return RolloutStats(
             m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
             m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,

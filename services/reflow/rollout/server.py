@@ -54,7 +54,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(self, request, context):
         try:
             update = self.service.update_weights(
-                request.job_id, request.policy_version, rpc.wait_budget_s(context))
+                request.job_id, request.policy_version, rpc.wait_budget_s(context),
+                request.resync)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return rollout_pb2.UpdateWeightsReply(

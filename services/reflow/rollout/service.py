@@ -170,8 +170,9 @@ class RolloutService:
         self._running_worker_for(job_id).init_weight_sync(spec, timeout_s)
 
     def update_weights(self, job_id: str, policy_version: int,
-                       timeout_s: float) -> WeightUpdate:
-        return self._running_worker_for(job_id).update_weights(policy_version, timeout_s)
+                       timeout_s: float, resync: bool = False) -> WeightUpdate:
+        return self._running_worker_for(job_id).update_weights(policy_version, timeout_s,
+                                                                resync)
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
                      concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool:

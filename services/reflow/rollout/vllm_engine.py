@@ -137,8 +137,10 @@ class VllmEngine:
         if os.environ.get("REFLOW_ENGINE_STATS", "1") != "0":
             self.load = EngineLoad(generated_tokens_total=0)
             stat_loggers = [_load_recorder(self.load)]
-        from reflow.procs import engine_process_affinity
+        from reflow.procs import ENGINE_PARENT_ENV, engine_process_affinity
 
+        # The engine's processes end with this one, however it dies (procs.watch_parent).
+        os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
         with engine_process_affinity():
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 

@@ -27,19 +27,17 @@ from collections.abc import Callable
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
 from reflow.replay.client import ReplayClient
-from reflow.rollout.engine import GenerationEngine, SamplingSpec, WeightSyncSpec
-from reflow.rollout.records import (GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent,
-                                     WeightUpdate)
+from reflow.rollout.engine import GenerationEngine, SamplingSpec
+from reflow.rollout.records import GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent
 from reflow.rollout.multiturn import EpisodeRunner
+from reflow.rollout.weights import WeightSyncMixin
 from reflow.rollout.scoring import ErrorWindow, Scorer, group_trajectories, score_inline, score_texts
 from reflow.tasks.base import Prompt, Task
 
 logger = logging.getLogger(__name__)
 
-# How often the engine's batch occupancy and KV-cache use are sampled, and how
-# long after a weight update the engine's preemptions are the update's.
+# How often the engine's batch occupancy and KV-cache use are sampled.
 OCCUPANCY_TICK_S = 0.02
-SYNC_PREEMPTION_WINDOW_S = 0.25
 # Sample and group events kept for the dispatcher to read (a reconnecting reader
 # resumes from its last sequence number within this window), and group ids
 # remembered so that a retried submission is not generated twice.
@@ -47,7 +45,7 @@ EVENT_LOG_SIZE = 65536
 GROUP_MEMORY = 16384
 
 
-class RolloutWorker:
+class RolloutWorker(WeightSyncMixin):
     def __init__(
         self,
         job_id: str,
@@ -117,6 +115,10 @@ class RolloutWorker:
         self._sync_state = "none"
         self._init: concurrent.futures.Future | None = None
         self._update: tuple[int, concurrent.futures.Future] | None = None
+        # The group joined (master address, port), and whether the next update may
+        # skip versions: the first after joining a restarted trainer's group.
+        self._sync_address: tuple[str, int] | None = None
+        self._rejoined = False
 
     # --- lifecycle (called from gRPC threads) --------------------------------
 
@@ -173,119 +175,6 @@ class RolloutWorker:
     def call(self, coro, timeout_s: float | None = None):
         """Run a coroutine on the worker loop from another thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    # --- weights --------------------------------------------------------------
-
-    async def _label_weights(self, policy_version: int) -> None:
-        label = getattr(self.engine, "label_weights", None)
-        if label is not None:
-            await label(policy_version)
-
-    def init_weight_sync(self, spec: WeightSyncSpec, timeout_s: float = 600.0) -> None:
-        """Join the job's weight-sync group, once. Refused unless `spec` names this
-        worker's place in the group. Waits at most `timeout_s` (the caller's
-        deadline); the join itself goes on, on the worker loop, and a retry joins it."""
-        with self._sync_lock:
-            if self._sync_state == "ready":
-                raise FailedPrecondition("weight sync is already set up for this job; "
-                                         "it is set up once per job")
-            if self._sync_state == "none":
-                spec.check(self.sync_rank, self.sync_world_size, self.trainer_host,
-                           self.spec.rollout.tensor_parallel_size)
-                self._sync_state = "initialising"
-                self._init = concurrent.futures.Future()
-                threading.Thread(target=self._init_weight_sync, args=(spec, self._init),
-                                 name="wsync-init", daemon=True).start()
-            pending = self._init
-        try:
-            pending.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"weight-sync set-up not done within {timeout_s:.0f}s; "
-                               "it goes on, and a retry waits for it") from None
-
-    def _init_weight_sync(self, spec: WeightSyncSpec, done: concurrent.futures.Future) -> None:
-        try:
-            self.wait_ready(600.0)
-            self.call(self.engine.init_weight_sync(spec), 600.0)
-        except BaseException as err:  # noqa: BLE001 - handed to every waiter
-            with self._sync_lock:
-                self._sync_state = "none"
-            done.set_exception(err)
-            return
-        with self._sync_lock:
-            self._sync_state = "ready"
-        done.set_result(None)
-
-    def update_weights(self, policy_version: int, timeout_s: float = 600.0) -> WeightUpdate:
-        """Load policy version `policy_version`, which must be the next one. A call for
-        the version already being loaded joins that update (a retried or early call
-        waits for the trainer's broadcast instead of starting a second one); any other
-        version is refused at once. Waits at most `timeout_s`; the update goes on."""
-        with self._sync_lock:
-            if self._sync_state != "ready":
-                raise FailedPrecondition("weight sync is not set up for this job; "
-                                         "InitWeightSync comes first")
-            if self.state == "failed":
-                raise FailedPrecondition(f"this rollout worker has failed: {self.error}")
-            current = self.counters.policy_version
-            if self._update is not None and not self._update[1].done():
-                version, future = self._update
-                if version != policy_version:
-                    raise FailedPrecondition(f"policy_version: {policy_version} while the "
-                                             f"update to {version} is in progress")
-            elif policy_version != current + 1:
-                if (policy_version == current and self._update is not None
-                        and self._update[0] == current):
-                    future = self._update[1]  # a retry of the update just done
-                else:
-                    raise FailedPrecondition(f"policy_version: {policy_version} is not the "
-                                             f"next version ({current + 1})")
-            else:
-                future = asyncio.run_coroutine_threadsafe(
-                    self._update_weights(policy_version), self._loop)
-                self._update = (policy_version, future)
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"weight update to v{policy_version} not done within "
-                               f"{timeout_s:.1f}s; it goes on, and a retry waits for it") from None
-
-    async def _update_weights(self, policy_version: int) -> WeightUpdate:
-        # Partial rollout (paper §4.1 step 4): in-flight requests stop at a token
-        # boundary and are kept; tokens sampled after the pause belong to the new
-        # version (the engine's label where it keeps them, else their arrival).
-        t0 = time.perf_counter()
-        self._paused = True
-        self._resumed.clear()
-        if not self.spec.rollout.partial_rollout:
-            # Whole samples under one version (verl one_step_off): admit nothing more
-            # and let what is in flight finish under the old weights first.
-            # Only samples that started: a group submitted meanwhile waits for the
-            # update (on _resumed) and would never finish under the old weights.
-            while self._generating > 0 and not self._stopping:
-                await asyncio.sleep(OCCUPANCY_TICK_S / 4)
-        await self.engine.pause()
-        # An engine without labels: let its output handler hand over the tokens
-        # generated before the pause.
-        await asyncio.sleep(0)
-        t1 = time.perf_counter()
-        try:
-            receive_s = await self.engine.receive_weights()
-            await self._label_weights(policy_version)
-        except Exception as err:
-            # Half-loaded or mislabelled weights must not generate: fail loudly, stay paused.
-            self.state, self.error = "failed", f"weight update to v{policy_version}: {err}"
-            raise
-        self.counters.policy_version = policy_version
-        await self.engine.resume()
-        self._sync_preemption_until = time.monotonic() + SYNC_PREEMPTION_WINDOW_S
-        self._paused = False
-        self._resumed.set()
-        logger.info(
-            "job %s: policy version %d loaded (pause %.3fs, receive %.3fs)",
-            self.job_id, policy_version, t1 - t0, receive_s,
-        )
-        return WeightUpdate(pause_s=t1 - t0, receive_s=receive_s)
 
     def evaluate(self, num_prompts: int, greedy: bool, timeout_s: float = 600.0):
         """Score the task's held-out split under the loaded weights

@@ -80,6 +80,14 @@ class GrpcSchedulerClient:
         return _from_proto(self._stub.StopJob(common_pb2.JobRef(job_id=job_id), timeout=deadline_s))
 
     @_translate
+    def resume(self, job_id: str) -> JobRecord:
+        """Continue a stopped or failed job from its newest committed checkpoint."""
+        from reflow.v1 import common_pb2
+
+        return _from_proto(self._stub.ResumeJob(common_pb2.JobRef(job_id=job_id),
+                                                timeout=self.deadline_s))
+
+    @_translate
     def list(self, limit: int = 100,  # nosec B107 # page_token is a cursor, not a secret
              page_token: str = "") -> tuple[list[JobRecord], str]:
         """One page, newest first, and the token of the next page ("" on the last)."""

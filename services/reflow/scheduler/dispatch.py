@@ -18,7 +18,9 @@ and the new weights reaching every worker.
 Threads: one dispatch loop, one event reader per worker, one control loop;
 all state under one condition variable. A worker that cannot be reached is
 retried; one that keeps failing is taken out of routing (the job's watcher
-fails the job when a worker process dies).
+fails the job when a worker process dies). A buffer that stays unreachable past
+its client's retries ends the dispatch loop with a one-line error that the
+watcher reports; one closed under the loop at the job's end ends it quietly.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from pathlib import Path
 from typing import Protocol
 
 from reflow.core.config import JobSpec
+from reflow.core.errors import Unavailable
 from reflow.replay.client import ReplayClient
+from reflow.scheduler.inflight import DispatchLedger
 from reflow.rollout.client import RolloutStats
 from reflow.tasks import Prompt, Task
 from reflow.rollout.records import GROUP_RETURNED, SampleEvent
@@ -77,12 +81,15 @@ class _Group:
 class Dispatcher:
     def __init__(self, job_id: str, spec: JobSpec, replay: ReplayClient,
                  workers: dict[str, WorkerClient], task: Task,
-                 events_path: Path | None = None, standby: set[str] | None = None) -> None:
+                 events_path: Path | None = None, standby: set[str] | None = None,
+                 ledger: DispatchLedger | None = None) -> None:
         """`workers`: name -> client of each rollout worker of the job; `task` the
         job's prompt stream (seeded once for the job); `events_path` a JSONL file
         that receives every scheduling decision (None: the log only); `standby`:
         workers of an elastic job that start in the trainer role (never routed to
-        until `set_standby(name, False)`)."""
+        until `set_standby(name, False)`); `ledger`: the job's durable stream
+        position and groups in flight (scheduler/inflight.py), from which a
+        resumed job continues."""
         if not workers:
             raise ValueError("workers: a job needs at least one rollout worker")
         self.job_id, self.spec, self.replay, self.task = job_id, spec, replay, task
@@ -106,6 +113,16 @@ class Dispatcher:
         self._ready_checked = 0.0
         self._prompts = task.prompts()
         self._next_prompt: Prompt | None = None  # drawn, not yet dispatched
+        # ... and its group id if it had one (a group going out again), and whether
+        # it is the stream's next.
+        self._next_group: str | None = None
+        self._next_from_stream = False
+        self.ledger = ledger
+        # Groups in flight when the job's services last went down (the ledger's):
+        # routed again first, under their ids, on the budget they were granted.
+        self._recovered: deque[tuple[str, Prompt]] = deque()
+        self.recovered_groups = 0
+        self._events_restart: set[str] = set()
         # Groups a worker leaving rollout handed back: routed again first, on the
         # budget they were granted (never acquired twice, never lost).
         self._returned: deque[Prompt] = deque()
@@ -130,6 +147,8 @@ class Dispatcher:
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.ledger is not None:
+            self._resume_from_ledger()
         targets = [("dispatch", self._dispatch_loop, ()), ("control", self._control_loop, ())]
         targets += [(f"events-{name}", self._event_loop, (name,)) for name in self.clients]
         for label, target, args in targets:
@@ -145,9 +164,40 @@ class Dispatcher:
         for thread in self._threads:
             thread.join(timeout_s)
 
+    def _resume_from_ledger(self) -> None:
+        position, groups = self.ledger.load()
+        for _ in range(position):
+            next(self._prompts)
+        with self._cond:
+            self._recovered.extend(groups)
+            self._granted += self.group_size * len(groups)
+            self.recovered_groups = len(groups)
+        if position or groups:
+            self.record({"event": "dispatch_resumed", "stream_position": position,
+                         "groups_in_flight": len(groups)})
+
+    def _ledger_call(self, method: str, *args) -> None:
+        """The ledger is bookkeeping for a later resume: a Redis error is logged
+        and the dispatch goes on (the store's client retries transient ones)."""
+        if self.ledger is None:
+            return
+        try:
+            getattr(self.ledger, method)(*args)
+        except Exception as err:  # noqa: BLE001 - a resume would re-route less exactly
+            logger.warning("job %s: dispatch ledger %s failed: %s", self.job_id, method, err)
+
     def _guard(self, target, args) -> None:
         try:
             target(*args)
+        except Unavailable as err:
+            # The buffer (or a worker) stayed unreachable past its client's retries,
+            # or its client was closed under this thread: expected, so one line.
+            if self._stop.is_set():
+                logger.info("job %s: dispatcher thread ended while stopping: %s",
+                            self.job_id, err)
+                return
+            logger.error("job %s: dispatcher thread stopped: %s", self.job_id, err)
+            self.error = f"{type(err).__name__}: {err}"
         except Exception as err:  # noqa: BLE001 - reported through snapshot(); the job watcher acts
             logger.exception("job %s: dispatcher thread failed", self.job_id)
             self.error = f"{type(err).__name__}: {err}"
@@ -191,6 +241,29 @@ class Dispatcher:
             self._cond.notify_all()
         self.record({"event": "worker_standby" if standby else "worker_admitting",
                      "worker": name})
+
+    def worker_lost(self, name: str) -> int:
+        """`name`'s process died (the job controller is replacing it): every group
+        it held goes out again first, under its own id and on the budget it was
+        granted, exactly once (the buffer's put is idempotent per group id, so one
+        that did reach the buffer is not stored twice). The worker is routed to
+        again once its new engine runs. Returns the groups re-routed."""
+        with self._cond:
+            lost = [(gid, g) for gid, g in self._groups.items() if g.worker.name == name]
+            for gid, group in lost:
+                del self._groups[gid]
+                self._recovered.append((gid, group.prompt))
+                self._granted += self.group_size
+            worker = self.loads[name]
+            worker.inflight, worker.predicted_tokens, worker.routable = 0, 0.0, False
+            self._unready.add(name)
+            self._ready_checked = 0.0
+            # The new process numbers its events from the start.
+            self._events_restart.add(name)
+            self.recovered_groups += len(lost)
+            self._cond.notify_all()
+        self.record({"event": "worker_lost", "worker": name, "groups_rerouted": len(lost)})
+        return len(lost)
 
     def inflight(self, name: str) -> int:
         """Samples the dispatcher holds out on `name` (routed, not yet ended)."""
@@ -267,13 +340,16 @@ class Dispatcher:
                 self.rejections[result.refused_by] += 1
                 return False
             worker = result.worker
-            group_id = uuid.uuid4().hex[:16]
+            group_id = self._next_group or uuid.uuid4().hex[:16]
+            from_stream = self._next_from_stream
             self._groups[group_id] = _Group(worker, prompt, per_sample, self.group_size)
             worker.inflight += self.group_size
             worker.predicted_tokens += per_sample * self.group_size
             self._granted -= self.group_size
-            self._next_prompt = None
+            self._next_prompt, self._next_group, self._next_from_stream = None, None, False
             cap = worker.cap
+        # In the ledger before the worker has it: a fault after the submit finds it there.
+        self._ledger_call("routed", group_id, prompt, from_stream)
         if self._submit(worker, group_id, prompt, cap):
             with self._cond:
                 self.dispatched_groups[worker.name] += 1
@@ -285,14 +361,21 @@ class Dispatcher:
             worker.predicted_tokens -= per_sample * self.group_size
             worker.routable = False
             self._granted += self.group_size
-            self._next_prompt = prompt
+            # Out again under the same id (the ledger holds it), off the stream already.
+            self._next_prompt, self._next_group, self._next_from_stream = prompt, group_id, False
         return any(w.routable for w in self.loads.values())
 
     def _peek_prompt(self) -> Prompt:
         if self._next_prompt is None:
             with self._cond:
-                returned = self._returned.popleft() if self._returned else None
-            self._next_prompt = returned or next(self._prompts)
+                recovered = self._recovered.popleft() if self._recovered else None
+                returned = self._returned.popleft() if self._returned and not recovered else None
+            if recovered is not None:
+                self._next_group, self._next_prompt = recovered
+            elif returned is not None:
+                self._next_prompt = returned
+            else:
+                self._next_prompt, self._next_from_stream = next(self._prompts), True
         return self._next_prompt
 
     def _prompt_tokens(self, prompt: Prompt) -> int:
@@ -323,6 +406,10 @@ class Dispatcher:
     def _event_loop(self, name: str) -> None:
         client, since, failures = self.clients[name], 0, 0
         while not self._stop.is_set():
+            if name in self._events_restart:
+                with self._cond:
+                    self._events_restart.discard(name)
+                since = 0
             try:
                 events = client.wait_events(self.job_id, since, EVENT_WAIT_S)
                 failures = 0
@@ -337,6 +424,7 @@ class Dispatcher:
                 self._apply(events)
 
     def _apply(self, events: list[SampleEvent]) -> None:
+        ended: list[str] = []
         with self._cond:
             for e in events:
                 group = self._groups.get(e.group_id)
@@ -355,6 +443,7 @@ class Dispatcher:
                     continue
                 # The group was put (or failed): what did not end is freed with it.
                 self._groups.pop(e.group_id)
+                ended.append(e.group_id)
                 worker.inflight -= group.remaining
                 worker.predicted_tokens -= group.tokens_per_sample * group.remaining
                 worker.predicted_tokens = max(0.0, worker.predicted_tokens)
@@ -368,6 +457,7 @@ class Dispatcher:
                     self.record({"event": "group_failed", "worker": worker.name,
                                   "group_id": e.group_id, "error": e.error[:500]})
             self._cond.notify_all()
+        self._ledger_call("ended", ended)
 
     # --- the slow loop ----------------------------------------------------------------
 

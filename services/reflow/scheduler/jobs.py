@@ -2,6 +2,11 @@
 scheduler or API restart loses no job. Owns the record layout; knows nothing
 of how jobs run.
 
+Redis outages: the scheduler's client (redisconn.connect) retries each command
+for a bounded time and then raises `core.errors.Unavailable`; a job's last
+save (`save_final`) keeps trying much longer, and logs rather than raises when
+it gives up, so a job's watcher thread always ends cleanly.
+
 Layout:
     reflow:jobs                 hash  job_id -> JobRecord JSON
     reflow:jobs:seq             int   submission counter
@@ -12,11 +17,16 @@ Layout:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 import redis
+
+from reflow.core.errors import Unavailable
+
+logger = logging.getLogger(__name__)
 
 PHASES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -28,6 +38,11 @@ _SEQ = "reflow:jobs:seq"
 _ORDER = "reflow:jobs:order"
 # A job keeps at most this many step records (a 100k-step run's worth).
 MAX_METRICS_RECORDS = 100_000
+# How long a job's terminal record keeps being retried, and how often.
+FINAL_SAVE_S, FINAL_SAVE_RETRY_S = 600.0, 5.0
+# What a save gets when Redis does not answer: Unavailable from a redisconn
+# client, redis' own errors from another.
+_OUTAGE = (Unavailable, redis.ConnectionError, redis.TimeoutError)
 
 # Insert and index in one step: a crash between the two would leave a job
 # that exists but never shows up in a listing.
@@ -61,6 +76,8 @@ class JobRecord:
     run_dir: str = ""
     # Where the job runs: role -> worker names (pods on Kubernetes; empty locally).
     workers: dict[str, list[str]] = field(default_factory=dict)
+    # Services the job controller restarted after they died: service -> count.
+    restarts: dict[str, int] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -74,10 +91,14 @@ class JobStore:
 
     def create(self, record: JobRecord) -> tuple[JobRecord, bool]:
         """Insert a new job. An existing id returns the stored record unchanged and
-        False (the caller decides whether that is an idempotent retry or a clash)."""
-        created = self._create(keys=[_JOBS, _SEQ, _ORDER],
-                               args=[record.job_id, json.dumps(asdict(record))])
-        if created:
+        False (the caller decides whether that is an idempotent retry or a clash),
+        unless the stored record is this one, byte for byte: this call's own insert,
+        whose reply was lost and whose command was retried."""
+        payload = json.dumps(asdict(record))
+        created = self._create(keys=[_JOBS, _SEQ, _ORDER], args=[record.job_id, payload])
+        # A reply lost after the insert, and the command retried, finds this very
+        # record (its created_at too): it was created by this call all the same.
+        if created or self.redis.hget(_JOBS, record.job_id) == payload.encode():
             return record, True
         return self.get(record.job_id), False
 
@@ -86,6 +107,26 @@ class JobStore:
 
     def save(self, record: JobRecord) -> None:
         self.redis.hset(_JOBS, record.job_id, json.dumps(asdict(record)))
+
+    def save_final(self, record: JobRecord, timeout_s: float = FINAL_SAVE_S) -> bool:
+        """Save a job's terminal record, retrying a Redis outage for up to `timeout_s`;
+        False (logged) if it could not. Never raises for an outage: the job's watcher
+        ends either way, and a later scheduler's recover() marks a record it left
+        RUNNING failed."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.save(record)
+                return True
+            except _OUTAGE as err:
+                if time.monotonic() + FINAL_SAVE_RETRY_S > give_up:
+                    logger.error("job %s: its final state %s could not be stored (%s); the "
+                                 "store shows it unfinished until a scheduler restart "
+                                 "recovers it", record.job_id, record.phase, err)
+                    return False
+                logger.warning("job %s: final state %s not stored yet (%s); retrying",
+                               record.job_id, record.phase, err)
+                time.sleep(FINAL_SAVE_RETRY_S)
 
     def get(self, job_id: str) -> JobRecord:
         raw = self.redis.hget(_JOBS, job_id)
@@ -132,6 +173,11 @@ class JobStore:
         pipe.zadd(key, {json.dumps(r, sort_keys=True): int(r["step"]) for r in records})
         pipe.zremrangebyrank(key, 0, -MAX_METRICS_RECORDS - 1)
         pipe.execute()
+
+    def drop_metrics_after(self, job_id: str, step: int) -> int:
+        """Forget the records of steps after `step`: a trainer resumed from that
+        step's checkpoint trains them again, and each step keeps one record."""
+        return int(self.redis.zremrangebyscore(_metrics_key(job_id), f"({step}", "+inf"))
 
     def metrics(self, job_id: str, since_step: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
         if not 1 <= limit <= 10_000:

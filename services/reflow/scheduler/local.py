@@ -54,6 +54,11 @@ class Placement:
     # (pods on Kubernetes); empty otherwise.
     worker_addresses: list[str] = field(default_factory=list)
     worker_names: list[str] = field(default_factory=list)
+    # How each process was started (service, gRPC port, metrics port), so that
+    # the job controller can start one again on the same ports after it died.
+    launches: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    log_dir: Path | None = None
+    colocated: bool = False
 
     def exited(self) -> list[tuple[str, int, str]]:
         """Services that are gone: (name, exit code, what happened)."""
@@ -76,7 +81,10 @@ class LocalBackend:
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
         env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
                **self._cpu_env(service, colocated)}
-        return procs.spawn(args, str(log_dir / f"{log_name or service}.log"), env=env)
+        # Each service leads a process group that its processes (vLLM's engine core)
+        # join: release() finds them even after the service itself died.
+        return procs.spawn(args, str(log_dir / f"{log_name or service}.log"), env=env,
+                           new_group=True)
 
     def _cpu_env(self, service: str, colocated: bool = False) -> dict[str, str]:
         """On one machine the rollout engine and the trainer get disjoint cores (what
@@ -136,6 +144,9 @@ class LocalBackend:
         record_endpoints(run_dir, {
             name: {"grpc": address[name], "metrics": f"127.0.0.1:{metrics_ports[name]}"}
             for name in services})
+        placement.log_dir, placement.colocated = log_dir, colocated
+        placement.launches = {name: (service, ports[name], metrics_ports[name])
+                              for name, service in services.items()}
         try:
             for name, service in services.items():
                 placement.processes[name] = self._serve(service, ports[name], metrics_ports[name],
@@ -151,10 +162,32 @@ class LocalBackend:
 
     supports_elastic = True
 
+    def restart(self, placement: Placement, name: str) -> None:
+        """Start process `name` of a placement again, on the same ports (its clients
+        keep their addresses), after it died; returns once it is healthy. What is
+        left of the dead one (children it spawned) is taken down first."""
+        if name not in placement.launches or placement.log_dir is None:
+            raise KeyError(f"{name}: not a process of this placement")
+        old = placement.processes.get(name)
+        if old is not None:
+            # Its process group too: children re-parented when it died (an engine core).
+            procs.stop_processes([old], timeout_s=5)
+        service, port, metrics_port = placement.launches[name]
+        placement.processes[name] = self._serve(service, port, metrics_port, placement.log_dir,
+                                                placement.colocated, log_name=name)
+        rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
+        logger.info("%s restarted (pid %d)", name, placement.processes[name].pid)
+
     def release(self, placement: Placement) -> None:
-        for name, proc in placement.processes.items():
-            procs.terminate_tree(proc.pid, timeout_s=15)
-            proc.wait()
+        """Stop the job's services, each with every process it started: first those
+        that write to and read from the replay buffer (rollout and trainer, or the
+        workers), all at once, then the buffer. Stopped first, the buffer left the
+        rollout worker retrying its Put until SIGKILLed 15 s later, on every job,
+        while the job still read RUNNING (its phase is saved after this returns)."""
+        clients = [p for name, p in placement.processes.items() if name != "replay"]
+        buffer = [p for name, p in placement.processes.items() if name == "replay"]
+        procs.stop_processes(clients, timeout_s=15)
+        procs.stop_processes(buffer, timeout_s=15)
 
     def close(self) -> None:
         """Nothing to stop: placements end with their jobs."""
@@ -170,7 +203,8 @@ class LocalBackend:
 
     def reclaim_orphans(self, active_job_ids: set[str]) -> list[str]:
         """Nothing to take back: a job's processes die with the scheduler that
-        started them (PDEATHSIG)."""
+        started them (PDEATHSIG), and its engine processes with their rollout
+        worker (procs.watch_parent)."""
         return []
 
     def prepare(self, spec) -> None:

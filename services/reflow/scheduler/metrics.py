@@ -3,12 +3,21 @@ placements at scrape time. Names follow `reflow_scheduler_<noun>_<unit>`."""
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from reflow import redisconn
+from reflow.core import deadline
+from reflow.core.errors import Unavailable
 from reflow.scheduler.jobs import PHASES
 
+logger = logging.getLogger(__name__)
+
 ROLES = ("rollout", "trainer")
+# How long a scrape waits for a job store that does not answer.
+SCRAPE_REDIS_WAIT_S = 2.0
 
 
 class SchedulerCollector:
@@ -19,14 +28,28 @@ class SchedulerCollector:
         return []
 
     def collect(self):
-        counts = dict.fromkeys(PHASES, 0)
-        for record in self.scheduler.store.all():
-            counts[record.phase] = counts.get(record.phase, 0) + 1
-        jobs = GaugeMetricFamily("reflow_scheduler_jobs", "Jobs in the store, by phase.",
-                                 labels=["phase"])
-        for phase, n in counts.items():
-            jobs.add_metric([phase], n)
-        yield jobs
+        redis_errors = CounterMetricFamily(
+            "reflow_scheduler_redis_errors", "Redis errors of the job store's commands, by "
+            "kind (connection, timeout, loading) and outcome (retried, or gave_up).",
+            labels=["kind", "outcome"])
+        for (kind, outcome), n in sorted(redisconn.errors_of(self.scheduler.store.redis).items()):
+            redis_errors.add_metric([kind, outcome], n)
+        yield redis_errors
+        counts: dict[str, int] | None = dict.fromkeys(PHASES, 0)
+        try:
+            with deadline.scope(SCRAPE_REDIS_WAIT_S):
+                for record in self.scheduler.store.all():
+                    counts[record.phase] = counts.get(record.phase, 0) + 1
+        except Unavailable as err:
+            # A job store that does not answer leaves the jobs out of this scrape.
+            logger.warning("metrics: the job store is not readable now: %s", err)
+            counts = None
+        if counts is not None:
+            jobs = GaugeMetricFamily("reflow_scheduler_jobs", "Jobs in the store, by phase.",
+                                     labels=["phase"])
+            for phase, n in counts.items():
+                jobs.add_metric([phase], n)
+            yield jobs
         workers = GaugeMetricFamily("reflow_scheduler_workers",
                                     "Workers serving a running job, by role.", labels=["role"])
         by_role = self.scheduler.workers_by_role()

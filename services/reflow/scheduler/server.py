@@ -47,6 +47,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
 
+    def ResumeJob(self, request, context):
+        try:
+            return record_to_proto(self.scheduler.resume(request.job_id))
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+
     def ListJobs(self, request, context):
         try:
             records, token = self.scheduler.list(request.limit or 100, request.page_token)

@@ -18,13 +18,17 @@ import uuid
 from pathlib import Path
 
 from reflow.core.config import JobSpec, check_job_id
-from reflow.core.errors import Conflict, FailedPrecondition, NoCapacity, ResourceExhausted
+from reflow.core.errors import (ConsecutiveFailures, Conflict, FailedPrecondition, NoCapacity,
+                                ResourceExhausted, Unavailable)
 from reflow.core.limits import OperatorLimits
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.tasks import build_task, check_task
+from reflow.core.errors import PermanentError
+from reflow.scheduler.controller import JobController
 from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.inflight import DispatchLedger
 from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
@@ -35,6 +39,9 @@ from reflow.weightsync import RankPlan
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.0
+# Polls of a job's rollout workers or trainer that may fail in a row (each after
+# the channel's retries) before the job fails: a restart is ridden out.
+MAX_POLL_FAILURES = 10
 # How often a job waiting for free workers tries again.
 QUEUE_RETRY_S = 5.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
@@ -122,6 +129,44 @@ class Scheduler:
             raise Conflict(f"job {record.job_id!r} exists with a different spec; submit under "
                            "a new submission_id, or resend the original spec")
         return stored, False
+
+    def resume(self, job_id: str) -> JobRecord:
+        """Continue a STOPPED or FAILED job from its newest committed checkpoint
+        (trainer/checkpoint.py): its services start again, the trainer resumes the
+        checkpoint's step, version, optimizer and RNG, and the dispatcher its prompt
+        stream and the groups that were in flight (scheduler/inflight.py).
+        FailedPrecondition when the job is active, succeeded, or has no checkpoint."""
+        from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
+
+        check_job_id(job_id)
+        record = self.store.get(job_id)
+        if record.phase not in ("STOPPED", "FAILED"):
+            raise FailedPrecondition(f"job {job_id} is {record.phase}; only a stopped or "
+                                     "failed job resumes")
+        try:
+            info = check_resume_dir(self.roots.run_dir(record.run_dir))
+        except CheckpointError as err:
+            raise FailedPrecondition(f"job {job_id} cannot resume: {err}") from None
+        with self._lock:
+            active = sum(1 for t in self._threads.values() if t.is_alive())
+            thread = self._threads.get(job_id)
+            if thread is not None and thread.is_alive():
+                raise FailedPrecondition(f"job {job_id} is still tearing down; retry")
+            if active >= self.limits.max_active_jobs:
+                raise ResourceExhausted(
+                    f"{active} jobs are pending or running, this cluster's ceiling "
+                    f"(REFLOW_MAX_ACTIVE_JOBS={self.limits.max_active_jobs}); retry when one ends")
+            record.phase, record.reason = "PENDING", f"resuming from step {info.step}"
+            record.finished_at = 0.0
+            record.step = info.step
+            self.store.drop_metrics_after(job_id, info.step)
+            self.store.save(record)
+            stop = threading.Event()
+            thread = threading.Thread(target=self._run_job, args=(record, stop, True),
+                                      name=f"job-{job_id}", daemon=True)
+            self._stops[job_id], self._threads[job_id] = stop, thread
+        thread.start()
+        return record
 
     def get(self, job_id: str) -> JobRecord:
         return self.store.get(job_id)
@@ -227,7 +272,8 @@ class Scheduler:
         dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
                                 dict(zip(placement.rollout_addresses, rollouts)), task,
                                 events_path=run_dir / "scheduler_events.jsonl",
-                                standby=standby)
+                                standby=standby,
+                                ledger=DispatchLedger(self.store.redis, record.job_id))
         with self._lock:
             self._dispatchers[record.job_id] = dispatcher
         dispatcher.start()
@@ -243,7 +289,7 @@ class Scheduler:
                                  min_gain=spec.scheduler.placement_min_gain)
         return PlacementPlanner(policy, total_workers)
 
-    def _run_job(self, record: JobRecord, stop: threading.Event) -> None:
+    def _run_job(self, record: JobRecord, stop: threading.Event, resume: bool = False) -> None:
         placement: Placement | None = None
         dispatcher: Dispatcher | None = None
         run_dir = Path(record.run_dir)
@@ -266,15 +312,25 @@ class Scheduler:
             # trainer will build it (weightsync.RankPlan).
             trainer_host = placement.trainer_address.rpartition(":")[0]
             plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
-            for i, client in enumerate(rollouts):
-                client.start_job(record.job_id, record.spec_json, placement.replay_address,
-                                 plan.first_rank(i), plan.world_size, trainer_host)
+            def start_rollout(i: int) -> None:
+                rollouts[i].start_job(record.job_id, record.spec_json, placement.replay_address,
+                                      plan.first_rank(i), plan.world_size, trainer_host)
+
+            for i in range(len(rollouts)):
+                start_rollout(i)
             pool = None
             if placement.worker_addresses:
                 pool = self._start_pool(record, spec, placement, trainer, trainer_host)
+            resume_from = ""
+            if resume:
+                from reflow.trainer.checkpoint import latest_checkpoint
+
+                checkpoint = latest_checkpoint(run_dir)
+                resume_from = checkpoint.path.name if checkpoint is not None else ""
             trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
                               placement.rollout_addresses, str(run_dir),
-                              trainer_peers=pool.trainer_peers if pool else [])
+                              trainer_peers=pool.trainer_peers if pool else [],
+                              resume_from=resume_from)
             dispatcher = self._start_dispatcher(record, spec, placement, rollouts, run_dir,
                                                 pool.standby_engines if pool else set())
             if pool is not None:
@@ -286,7 +342,8 @@ class Scheduler:
             planner = self._planner(spec, len(placement.worker_addresses)
                                     or len(rollouts) + 1)
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
-                                                      dispatcher, stop, planner, pool)
+                                                      dispatcher, stop, planner, pool,
+                                                      start_rollout)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
             logger.exception("job %s failed", record.job_id)
             record.phase, record.reason = "FAILED", f"{type(err).__name__}: {err}"
@@ -304,7 +361,7 @@ class Scheduler:
                     self._dispatchers.pop(record.job_id, None)
                 self.backend.release(placement)
             record.finished_at = time.time()
-            self.store.save(record)
+            self.store.save_final(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
 
     def _place_when_free(self, record: JobRecord, spec: JobSpec, run_dir: Path,
@@ -328,7 +385,15 @@ class Scheduler:
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
                stop: threading.Event, planner: PlacementPlanner | None = None,
-               pool: ElasticPool | None = None) -> tuple[str, str]:
+               pool: ElasticPool | None = None, start_rollout=None) -> tuple[str, str]:
+        spec = JobSpec.model_validate_json(record.spec_json)
+        controller = JobController(record, spec, self.store, self.backend, placement,
+                                   dispatcher.replay, trainer, Path(record.run_dir),
+                                   events=dispatcher.record, dispatcher=dispatcher,
+                                   start_rollout=start_rollout)
+        rollout_polls = [ConsecutiveFailures(f"job {record.job_id}: rollout {c.address}",
+                                             MAX_POLL_FAILURES) for c in rollouts]
+        trainer_polls = ConsecutiveFailures(f"job {record.job_id}: trainer", MAX_POLL_FAILURES)
         while True:
             if stop.wait(POLL_INTERVAL_S):
                 trainer.stop_job(record.job_id)
@@ -338,18 +403,27 @@ class Scheduler:
             exited = placement.exited()
             if exited:
                 name, code, what = exited[0]
-                return "FAILED", (f"{name} {what} (exit code {code}); "
-                                  f"see GET /v1/jobs/{record.job_id}/logs")
-            for client in rollouts:
-                stats = client.stats(record.job_id)
-                if stats.state == "failed":
+                try:
+                    controller.on_exit(name, code, what, elastic=pool is not None)
+                except PermanentError as err:
+                    return "FAILED", f"{err}; see GET /v1/jobs/{record.job_id}/logs"
+                continue
+            for client, polls in zip(rollouts, rollout_polls):
+                stats = polls.call(client.stats, record.job_id)
+                if stats is not None and stats.state == "failed":
                     return "FAILED", f"rollout: {stats.error}"
             if dispatcher.error:
                 trainer.stop_job(record.job_id)
                 return "FAILED", f"dispatcher: {dispatcher.error}"
-            status = trainer.status(record.job_id, since_step=record.step)
+            status = trainer_polls.call(trainer.status, record.job_id, record.step)
+            if status is None:
+                continue
             if planner is not None:
-                self._observe_placement(planner, dispatcher, status.metrics, pool)
+                try:
+                    self._observe_placement(planner, dispatcher, status.metrics, pool)
+                except ValueError as err:
+                    # A step record Algorithm 1 cannot use is skipped, never fatal.
+                    logger.warning("job %s: placement skipped a step: %s", record.job_id, err)
             if pool is not None:
                 pool.schedule(status.step)
                 record.workers = pool.by_role()
@@ -400,9 +474,14 @@ class Scheduler:
 
     def _update_progress(self, record: JobRecord, status) -> None:
         m = status.last_metrics
-        self.store.append_metrics(record.job_id, status.metrics)
-        record.step, record.policy_version = status.step, status.policy_version
-        if m:
-            record.reward_mean = float(m.get("reward_mean", 0.0))
-            record.trainer_tokens_per_s = float(m.get("trainer_tokens_per_s", 0.0))
-        self.store.save(record)
+        try:
+            self.store.append_metrics(record.job_id, status.metrics)
+            record.step, record.policy_version = status.step, status.policy_version
+            if m:
+                record.reward_mean = float(m.get("reward_mean", 0.0))
+                record.trainer_tokens_per_s = float(m.get("trainer_tokens_per_s", 0.0))
+            self.store.save(record)
+        except Unavailable as err:
+            # The job store is down: records not stored are fetched again (the step
+            # did not advance), the record is saved at the next poll.
+            logger.warning("job %s: progress not stored now: %s", record.job_id, err)

@@ -37,14 +37,17 @@ class GrpcTrainerClient:
 
     def start_job(self, job_id: str, spec_json: str, replay_address: str,
                   rollout_addresses: list[str], run_dir: str = "",
-                  trainer_peers: list[str] | None = None, leader_host: str = "") -> None:
-        """With `leader_host`: load a warm replica of the job's trainer group."""
+                  trainer_peers: list[str] | None = None, leader_host: str = "",
+                  resume_from: str = "") -> None:
+        """With `leader_host`: load a warm replica of the job's trainer group;
+        `resume_from`: a checkpoint directory name under the run's checkpoints."""
         from reflow.v1 import common_pb2
 
         req = common_pb2.StartJobRequest(
             job_id=job_id, spec_json=spec_json, replay_address=replay_address,
             rollout_addresses=rollout_addresses, run_dir=run_dir,
             trainer_peers=trainer_peers or [], leader_host=leader_host,
+            resume_from=resume_from,
         )
         self._stub.StartJob(req, timeout=self.deadline_s)
 
@@ -55,10 +58,13 @@ class GrpcTrainerClient:
 
     def status(self, job_id: str = "", since_step: int = -1) -> TrainerStatus:
         """since_step >= 0 also fetches the per-step records after that step."""
+        from reflow import rpc
         from reflow.v1 import trainer_pb2
 
         req = trainer_pb2.TrainerStatusRequest(job_id=job_id, since_step=since_step)
-        m = self._stub.GetStatus(req, timeout=self.deadline_s)
+        # Polled every second: a transient failure raises core.errors.Unavailable.
+        with rpc.transient_as_unavailable(f"trainer {self.address}: GetStatus"):
+            m = self._stub.GetStatus(req, timeout=self.deadline_s)
         return TrainerStatus(m.job_id, m.state, m.step, m.policy_version,
                              json.loads(m.last_metrics_json or "{}"), m.error,
                              [json.loads(r) for r in m.metrics_json],

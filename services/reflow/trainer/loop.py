@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -28,18 +28,24 @@ from typing import Any
 import torch
 
 from reflow.core.config import JobSpec
+from reflow.core.errors import ConsecutiveFailures
 from reflow.core.types import Batch
 from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
-from reflow.rollout.engine import WeightSyncSpec
+from reflow.trainer.checkpoint import (CheckpointInfo, Checkpointer, load_checkpoint,
+                                       supersede_metrics)
 from reflow.trainer.dp import TrainerGroup
 from reflow.trainer.evaluation import PeriodicEval
 from reflow.trainer.handoff import SharedState
+from reflow.trainer.publish import WeightPublisher
+from reflow.trainer.records import step_record
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
-from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
-                               send_weights, specs_of)
 
 RECENT_METRICS_STEPS = 4096
+# An engine's stats may fail this many polls in a row (each after the channel's
+# own retries) before the job fails for it: a restart is ridden out, a dead
+# engine is not waited on forever.
+MAX_STATS_FAILURES = 5
 # How long the last step's record waits for the final evaluation.
 EVAL_FINAL_WAIT_S = 900.0
 
@@ -50,7 +56,7 @@ class JobStopped(Exception):
     """The job was asked to stop."""
 
 
-class TrainLoop:
+class TrainLoop(WeightPublisher):
     def __init__(
         self,
         job_id: str,
@@ -62,10 +68,12 @@ class TrainLoop:
         master_address: str = "127.0.0.1",
         metrics: Any = None,
         trainer_client_factory: Any = None,
+        resume_from: CheckpointInfo | None = None,
     ) -> None:
         """`replay` None: a replica of the trainer group (trainer/replica.py), which
         never talks to the buffer. `trainer_client_factory(address)`: how the leader
-        reaches its replicas (GrpcTrainerClient by default)."""
+        reaches its replicas (GrpcTrainerClient by default). `resume_from`: a
+        committed checkpoint (trainer/checkpoint.py) to continue from."""
         self.job_id = job_id
         self.spec = spec
         self.replay = replay
@@ -85,8 +93,11 @@ class TrainLoop:
         # and copies them into the job store; bounded so a lost poller costs no memory.
         self.recent_metrics: deque[dict[str, Any]] = deque(maxlen=RECENT_METRICS_STEPS)
         self._stop = threading.Event()
+        # Per rollout engine: its stats polls' transient failures in a row.
+        self._stats_polls: dict[str, ConsecutiveFailures] = {}
         self._sync_group = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(rollouts)), thread_name_prefix="wsync")
+        # One thread per rollout worker's update call, and one for the broadcast.
+        self._pool = ThreadPoolExecutor(max_workers=len(rollouts) + 1, thread_name_prefix="wsync")
         # The data-parallel trainer group (trainer/dp.py): None while this trainer
         # trains alone. Membership changes wait for a step boundary.
         self.group: TrainerGroup | None = None
@@ -102,9 +113,27 @@ class TrainLoop:
         self.last_handoff = ""
         # Evaluations on the held-out split, beside training (trainer/evaluation.py).
         self.evals = PeriodicEval(job_id, spec, rollouts if replay is not None else [])
+        # Checkpoints at the trained point, by the leader (replicas hold the same state).
+        self.resume_from = resume_from
+        self.checkpointer: Checkpointer | None = None
+        if self.run_dir is not None and replay is not None:
+            self.checkpointer = Checkpointer(
+                self.run_dir, spec.trainer.checkpoint_interval, spec.trainer.checkpoint_keep_last,
+                observe=(lambda *m: metrics.observe_checkpoint(job_id, *m))
+                if metrics is not None and hasattr(metrics, "observe_checkpoint") else None,
+                resumed_step=resume_from.step if resume_from is not None else 0)
+        # Records of the steps after the checkpoint resumed from (trained again here).
+        self.superseded_steps = 0
+        self._mid_step = False
+        # Weight-sync groups rebuilt after a rollout worker was replaced (publish.py).
+        self.weight_sync_rebuilds = 0
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     # --- set-up ----------------------------------------------------------------
 
@@ -143,38 +172,22 @@ class TrainLoop:
             weight_decay=self.spec.trainer.weight_decay,
         )
         self.pad_id = self.tokenizer.pad_token_id or 0
+        if self.resume_from is not None:
+            # After the reference copy: the KL penalty stays against the job's initial
+            # weights, whatever checkpoint training continues from.
+            load_checkpoint(self.resume_from, self.model, self.optimizer)
+            self.step, self.policy_version = self.resume_from.step, self.resume_from.policy_version
+            if self.run_dir is not None:
+                # Records of the steps after the checkpoint describe weights that are
+                # gone; those steps run again, so each step has one record.
+                self.superseded_steps = supersede_metrics(self.run_dir, self.step)
+            logger.info("job %s: resumed from %s (step %d, policy version %d)", self.job_id,
+                        self.resume_from.path, self.step, self.policy_version)
         # Start-up (model and optimizer built), reported with the first step.
         self.startup_s = time.monotonic() - started
         # The buffer composes batches and evicts by these settings (σ, δ, plug-ins).
         if self.replay is not None:
             self.replay.configure(self.job_id, self.spec.replay)
-
-    def init_weight_sync(self) -> None:
-        """Build the broadcast group: trainer rank 0, then each rollout engine's
-        tensor-parallel workers in turn (weightsync.RankPlan; with TP 1 engine i is
-        rank i+1)."""
-        named = self._named_weights()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port = free_port()
-        tp = self.spec.rollout.tensor_parallel_size
-        plan = RankPlan.for_engines([tp] * len(self.rollouts))
-        world = plan.world_size
-        tensors = [(s.name, list(s.shape), s.dtype) for s in specs_of(named)]
-        # On nccl an engine on the trainer's own GPU refuses to join (weightsync).
-        device_uuid = cuda_device_uuid(self.device) if backend == "nccl" else ""
-        futures = [
-            self._pool.submit(
-                client.init_weight_sync,
-                self.job_id,
-                WeightSyncSpec(self.master_address, port, plan.first_rank(i), world, backend,
-                               tensors, DEFAULT_BUCKET_BYTES, tp, device_uuid),
-            )
-            for i, client in enumerate(self.rollouts)
-        ]
-        self._sync_group = make_group(self.master_address, port, 0, world, backend)
-        for f in futures:
-            f.result()
-        logger.info("job %s: weight sync group ready (%s, %d ranks)", self.job_id, backend, world)
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() lists a tied lm_head once, under the embedding's name,
@@ -265,6 +278,7 @@ class TrainLoop:
     def _run(self) -> None:
         start = time.monotonic()
         self.apply_membership()  # the replicas the job starts with
+        self._resync_engines()
         rollout_before = self._rollout_totals()
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
@@ -282,6 +296,9 @@ class TrainLoop:
                 # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
                 #    must not see its samples handed back and trained again as fresh.
                 train_start = time.monotonic()
+                # From the optimizer step until the release, the weights are a step
+                # ahead of what the buffer knows as trained: no checkpoint then.
+                self._mid_step = True
                 with self._lease_kept(batch):
                     stats, sample_stats = self._train_step(batch)
                 train_s = time.monotonic() - train_start
@@ -293,26 +310,73 @@ class TrainLoop:
                 if not released:
                     self._give_back(batch)
             self.step += 1
+            self._mid_step = False
             # 4. Publish a new policy version every sync_interval steps.
             sync_s = sync_wait_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
-                sync_s, sync_wait_s = self._publish()
+                sync_s, sync_wait_s = self._publish_or_rebuild()
                 self.evals.maybe_start(self.policy_version)
                 # Roles move at sync boundaries only (paper §5).
                 self.apply_membership()
+            checkpoint_s = 0.0
+            if self.checkpointer is not None and self.checkpointer.due(self.step):
+                checkpoint_s = self.checkpoint()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
             rollout_now = self._rollout_totals()
-            record = self._metrics(batch, stats, wait_s, train_s, sync_s, sync_wait_s, step_s,
+            record = step_record(self, batch, stats, wait_s, train_s, sync_s, sync_wait_s, step_s,
                                    self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
             # The last record waits for the final version's evaluation: training is over.
             last = self.step == self.spec.trainer.num_steps
             record.update(self.evals.take(wait_s=EVAL_FINAL_WAIT_S if last else 0.0))
+            if self.checkpointer is not None:
+                # The save this step started pays only its staging here; the write
+                # of an earlier one is reported once it committed.
+                record["checkpoint_s"] = checkpoint_s
+                record["last_checkpoint_step"] = self.checkpointer.last_committed_step
+                record.update(self.checkpointer.last)
+            if self.resume_from is not None and self.step == self.resume_from.step + 1:
+                # Once, on the first step after a resume: where from, and what it cost.
+                record["resumed_from_step"] = self.resume_from.step
+                record["superseded_steps"] = self.superseded_steps
             self._emit(record)
         if self.group is not None:
             self.group.send_command("stop", self.step)
+
+    def checkpoint(self) -> float:
+        """Save a checkpoint of this step in the background, with the buffer's
+        ledger as of now (this step's lease released); returns the seconds the step
+        spent on it."""
+        try:
+            ledger = dataclasses.asdict(self.replay.stats(self.job_id))
+        except Exception as err:  # noqa: BLE001 - the weights are worth saving without it
+            logger.warning("job %s: checkpoint without the buffer's ledger: %s", self.job_id, err)
+            ledger = {"error": f"{type(err).__name__}: {err}"[:500]}
+        return self.checkpointer.save(self.step, self.policy_version, self.model,
+                                      self.optimizer, {"job_id": self.job_id, "ledger": ledger})
+
+    def checkpoint_on_stop(self, timeout_s: float = 600.0) -> None:
+        """A graceful stop saves the step it stopped at (unless that step is saved
+        already) and waits for the save to commit."""
+        cp = self.checkpointer
+        if cp is None or self.step == 0:
+            return
+        if self._mid_step:
+            # Stopped between an optimizer step and its lease's release: those
+            # samples go back to the pool, so these weights must not be kept.
+            logger.warning("job %s: stopped mid-step; the last committed checkpoint (step %d) "
+                           "stays the one to resume from", self.job_id, cp.last_committed_step)
+            cp.wait(timeout_s)
+            return
+        if self.step > max(cp.last_committed_step, self.resumed_step):
+            self.checkpoint()
+        cp.wait(timeout_s)
+
+    @property
+    def resumed_step(self) -> int:
+        return self.resume_from.step if self.resume_from is not None else 0
 
     def _give_back(self, batch: Batch) -> None:
         """A batch that will not be trained (the job stopped or the step failed)
@@ -339,6 +403,7 @@ class TrainLoop:
             if batch is not None:
                 return batch
             self._check_rollouts()
+            self.resync_replaced_engines()
         raise JobStopped()
 
     @contextlib.contextmanager
@@ -364,10 +429,20 @@ class TrainLoop:
         finally:
             done.set()
 
+    def _rollout_stats(self, client):
+        """`client.stats`, or None after a transient failure (logged; the next poll
+        tries again); raises once one engine has failed MAX_STATS_FAILURES in a row."""
+        polls = self._stats_polls.get(client.address)
+        if polls is None:
+            polls = self._stats_polls[client.address] = ConsecutiveFailures(
+                f"job {self.job_id}: stats of rollout worker {client.address}",
+                MAX_STATS_FAILURES)
+        return polls.call(client.stats, self.job_id)
+
     def _check_rollouts(self) -> None:
         for client in self.rollouts:
-            stats = client.stats(self.job_id)
-            if stats.state == "failed":
+            stats = self._rollout_stats(client)
+            if stats is not None and stats.state == "failed":
                 raise RuntimeError(f"rollout worker {client.address} failed: {stats.error}")
 
     def _train_step(self, batch: Batch):
@@ -378,32 +453,16 @@ class TrainLoop:
         return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
                             self.pad_id, self.device, group, reference=self.reference)
 
-    def _publish(self) -> tuple[float, float]:
-        """Send the weights to every rollout worker as version v+1, then tell the buffer.
-        Returns the seconds it took, and how many of them the slowest worker spent
-        pausing: the trainer's send waits for that, so it is trainer idle time (with
-        partial rollout off, as verl's one_step_off, the pause lets the samples in
-        flight finish under the old weights)."""
-        t0 = time.monotonic()
-        version = self.policy_version + 1
-        futures = [
-            self._pool.submit(client.update_weights, self.job_id, version)
-            for client in self.rollouts
-        ]
-        with torch.no_grad():
-            send_weights(self._sync_group, self._named_weights())
-        updates = [f.result() for f in futures]
-        self.policy_version = version
-        self.replay.publish_version(self.job_id, version)
-        return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
-
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the
         trainer role stands by), and its idle seconds, occupancy seconds, generated
-        tokens and finished samples so far."""
+        tokens and finished samples so far. An engine whose stats could not be read
+        now is left out (of this step's rollout metrics, and of the next one's)."""
         out = {}
         for c in self.rollouts:
-            s = c.stats(self.job_id)
+            s = self._rollout_stats(c)
+            if s is None:
+                continue
             out[c.address] = (s.state != "standby",
                               (s.idle_seconds_total, s.occupancy_seconds_total,
                                float(s.generated_tokens_total), float(s.finished_samples_total)))
@@ -415,94 +474,12 @@ class TrainLoop:
         now, and their number."""
         active = [(totals, before.get(address, (True, totals))[1])
                   for address, (generating, totals) in now.items() if generating]
+        # A replaced worker's counters start again from zero: its totals are all
+        # this step's.
+        active = [(t, b if all(x >= y for x, y in zip(t, b)) else (0.0,) * 4)
+                  for t, b in active]
         sums = [sum(t[k] - b[k] for t, b in active) for k in range(4)]
         return [*sums, float(len(active))]
-
-    def _metrics(self, batch: Batch, stats, wait_s: float, train_s: float, sync_s: float,
-                 sync_wait_s: float, step_s: float, rollout_delta: list[float],
-                 wall_s: float) -> dict[str, Any]:
-        loss_stats, grad_norm = stats
-        rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
-        trajs = batch.trajectories
-        scored = [t for t in trajs if not t.reward_error]
-        trained_tokens = sum(t.num_tokens for t in trajs)
-        # Staleness against the version the batch was leased (and trained) under,
-        # from each sample's oldest segment: the policy lag the loss corrects for.
-        staleness = [batch.policy_version - t.oldest_version for t in trajs]
-        replayed = sum(1 for t in trajs if t.uses > 0)
-        fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
-        histogram: dict[str, int] = {}
-        for s in staleness:
-            histogram[str(s)] = histogram.get(str(s), 0) + 1
-        buffer = self.replay.stats(self.job_id)
-        num_workers = max(1, int(active))
-        startup: dict[str, float] = {}
-        if self.step == 1:
-            # Start-up, once, apart from the steady state: this trainer's model and
-            # optimizer, and the slowest rollout engine's build.
-            startup = {"trainer_startup_s": self.startup_s,
-                       "engine_startup_s": max((c.stats(self.job_id).engine_startup_s
-                                                for c in self.rollouts), default=0.0)}
-        return {
-            **startup,
-            "step": self.step,
-            "policy_version": self.policy_version,
-            # Over the scored samples: one without a reward (reward_error) is excluded
-            # from the loss and from this mean (rollout/scoring.py).
-            "reward_mean": sum(t.reward for t in scored) / len(scored) if scored else 0.0,
-            "reward_error_samples": len(trajs) - len(scored),
-            "optimizer_step_skipped": not math.isfinite(grad_norm),
-            "trained_tokens": trained_tokens,
-            "step_time_s": step_s,
-            "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
-            # Waiting for a batch, and for the rollout workers to pause for a weight
-            # update: the trainer computes nothing in either.
-            "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s > 0 else 0.0,
-            "rollout_idle_ratio": min(1.0, rollout_idle_s / (step_s * num_workers)) if step_s > 0 else 0.0,
-            # The engines' measured batch occupancy over this step (running requests
-            # over the concurrency cap), averaged over the workers.
-            "rollout_utilisation": min(1.0, occupancy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
-            # Tokens the engines generated during this step (kept or not): generation
-            # throughput, the adaptive scheduler's yardstick (paper §6.1).
-            "generated_tokens": int(generated_tokens),
-            # Samples the engines finished during this step: production, for placement.
-            "generated_samples": int(finished_samples),
-            "rollout_workers": num_workers,
-            # The trainer group this step ran on (paper §5's elastic pool).
-            "trainer_workers": self.group_size,
-            "membership_epoch": self.membership_epoch,
-            "generation_tokens_per_s": generated_tokens / step_s if step_s > 0 else 0.0,
-            "fresh_samples": fresh,
-            "stale_samples": len(trajs) - fresh - replayed,
-            "replay_samples": replayed,
-            "replay_fraction": replayed / len(trajs),
-            "max_staleness": max(staleness),
-            "staleness_counts": histogram,
-            "wall_time_s": wall_s,
-            "batch_wait_s": wait_s,
-            # The optimisation itself (forward, backward, optimizer step, across the
-            # group); the rest of a step besides waits and the sync is bookkeeping.
-            "train_s": train_s,
-            "weight_sync_s": sync_s,
-            "sync_wait_s": sync_wait_s,
-            "unused_pool_samples": buffer.unused_samples,
-            "replay_pool_samples": buffer.replay_samples,
-            "evicted_samples_total": buffer.evicted_total,
-            "evicted_unused_samples_total": buffer.evicted_unused_total,
-            "dispatched_samples_total": buffer.dispatched_total,
-            "trained_unused_samples_total": buffer.trained_unused_total,
-            "filter_dropped_samples_total": buffer.dropped_total,
-            "outstanding_leases": buffer.outstanding_leases,
-            "loss": loss_stats.loss,
-            "clip_fraction": loss_stats.clip_fraction,
-            "approx_kl": loss_stats.approx_kl,
-            # k3 KL to the frozen reference per loss token (0 with trainer.kl_coef 0),
-            # and the memory that reference holds.
-            "kl": loss_stats.kl,
-            "reference_model_bytes": self.reference_bytes,
-            "grad_norm": grad_norm,
-            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
-        }
 
     @property
     def last_metrics(self) -> dict[str, Any]:

@@ -61,6 +61,26 @@ class TrainerMetrics:
         self.rollout_workers = Gauge("reflow_trainer_rollout_workers",
                                      "Rollout workers generating during the last step.",
                                      ["job_id"], registry=r)
+        # trainer/checkpoint.py: one observation per committed checkpoint.
+        self.checkpoint_bytes = Gauge("reflow_trainer_checkpoint_bytes",
+                                      "Size on disk of the latest committed checkpoint.",
+                                      ["job_id"], registry=r)
+        self.checkpoint_write = Histogram(
+            "reflow_trainer_checkpoint_write_seconds",
+            "From a checkpoint's start to its commit marker (in the background).", ["job_id"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.checkpoint_stage = Histogram(
+            "reflow_trainer_checkpoint_stage_seconds",
+            "Time a checkpoint held the training step up (staging the state in memory).",
+            ["job_id"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.checkpoints = Counter("reflow_trainer_checkpoints_total",
+                                   "Checkpoints committed.", ["job_id"], registry=r)
+
+    def observe_checkpoint(self, job_id: str, size: int, write_s: float, stage_s: float) -> None:
+        self.checkpoint_bytes.labels(job_id).set(size)
+        self.checkpoints.labels(job_id).inc()
+        self.checkpoint_write.labels(job_id).observe(write_s)
+        self.checkpoint_stage.labels(job_id).observe(stage_s)
 
     def observe(self, job_id: str, record: dict[str, Any]) -> None:
         self.step_seconds.labels(job_id).observe(record["step_time_s"])

@@ -21,7 +21,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             spec = JobSpec.model_validate_json(request.spec_json)
             self.service.start_job(request.job_id, spec, request.replay_address,
                                    list(request.rollout_addresses), request.run_dir,
-                                   list(request.trainer_peers), request.leader_host)
+                                   list(request.trainer_peers), request.leader_host,
+                                   request.resume_from)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return common_pb2.Ack(ok=True)

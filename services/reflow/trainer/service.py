@@ -43,11 +43,13 @@ class TrainerService:
 
     def start_job(self, job_id: str, spec: JobSpec, replay_address: str,
                   rollout_addresses: list[str], run_dir: str,
-                  trainer_peers: list[str] | None = None, leader_host: str = "") -> None:
+                  trainer_peers: list[str] | None = None, leader_host: str = "",
+                  resume_from: str = "") -> None:
         """Run a job's training loop here; with `leader_host`, only load a warm
         replica of the job's trainer group (trainer/replica.py), to be joined into
         the group of the leader on that host. `trainer_peers`: the replicas the
-        leader's group starts with."""
+        leader's group starts with. `resume_from`: a committed checkpoint of this
+        run (a directory under `<run_dir>/checkpoints`) to continue from."""
         check_job_id(job_id)
         if leader_host:
             return self._start_replica(job_id, spec, leader_host)
@@ -61,6 +63,7 @@ class TrainerService:
         # Paths from the request resolve under this process's roots, or are refused.
         spec = self._confined(spec)
         run_dir = str(self.roots.run_dir(run_dir)) if run_dir else ""
+        resume = self._checkpoint(run_dir, resume_from) if resume_from else None
         with self._lock:
             if self.state in ("starting", "running"):
                 if self.job_id == job_id:
@@ -72,7 +75,7 @@ class TrainerService:
             self.loop = TrainLoop(
                 job_id, spec, replay, rollouts, run_dir=run_dir or None,
                 master_address=os.environ.get("REFLOW_POD_IP", "127.0.0.1"),
-                metrics=self.metrics,
+                metrics=self.metrics, resume_from=resume,
             )
             if peers:
                 self.loop.reconfigure(peers)
@@ -103,6 +106,18 @@ class TrainerService:
         spec = replica.loop.spec
         ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
         replica.load()
+
+    @staticmethod
+    def _checkpoint(run_dir: str, resume_from: str):
+        """The checkpoint to resume from: committed, and inside this run's
+        checkpoints directory (ValueError naming the field otherwise)."""
+        from reflow.core.paths import confine
+        from reflow.trainer.checkpoint import CHECKPOINTS_DIR, read_checkpoint
+
+        if not run_dir:
+            raise ValueError("resume_from: needs the job's run_dir, where its checkpoints are")
+        root = Path(run_dir) / CHECKPOINTS_DIR
+        return read_checkpoint(confine(root / resume_from, root, "resume_from"))
 
     def _confined(self, spec: JobSpec) -> JobSpec:
         """The spec with its model path resolved under this process's models root."""
@@ -142,16 +157,33 @@ class TrainerService:
             loop.init_weight_sync()
             self.state = "running"
             loop.run()
+            if loop.checkpointer is not None:
+                loop.checkpointer.wait()
             if loop.run_dir is not None:
                 loop.save(Path(loop.run_dir) / "checkpoint")
             self.state = "succeeded"
         except JobStopped:
+            # A graceful stop (a request, or SIGTERM) keeps the step it reached.
+            self._checkpoint_on_stop(loop)
             self.state = "stopped"
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
-            logger.exception("job %s: training failed", self.job_id)
-            self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+            if loop.stopping:
+                # Asked to stop while the job's other services go away too: what
+                # failed is their absence; the step reached is still kept.
+                logger.warning("job %s: stopped (%s: %s)", self.job_id, type(err).__name__, err)
+                self._checkpoint_on_stop(loop)
+                self.state = "stopped"
+            else:
+                logger.exception("job %s: training failed", self.job_id)
+                self.state, self.error = "failed", f"{type(err).__name__}: {err}"
         finally:
             loop.close()
+
+    def _checkpoint_on_stop(self, loop: TrainLoop) -> None:
+        try:
+            loop.checkpoint_on_stop()
+        except Exception:  # noqa: BLE001 - the job still stops; the last checkpoint stays
+            logger.exception("job %s: no checkpoint at the stop", self.job_id)
 
     def stop_job(self, job_id: str) -> None:
         if self.replica is not None and self.replica.job_id == job_id:
@@ -162,6 +194,16 @@ class TrainerService:
         self.loop.stop()
         if self._thread is not None:
             self._thread.join(30)
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """The process is going away: stop the running job, which checkpoints the
+        step it reached (TrainLoop.checkpoint_on_stop), and wait for that."""
+        loop, thread = self.loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        logger.info("job %s: stopping for shutdown", self.job_id)
+        loop.stop()
+        thread.join(timeout_s)
 
     def status(self, job_id: str, since_step: int = -1) -> dict:
         """State and progress; with since_step >= 0 also the metrics records of the

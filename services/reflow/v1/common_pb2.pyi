@@ -51,7 +51,7 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StartJobRequest(_message.Message):
-    __slots__ = ("job_id", "spec_json", "replay_address", "rollout_addresses", "run_dir", "weight_sync_rank", "weight_sync_world_size", "trainer_host", "trainer_peers", "leader_host")
+    __slots__ = ("job_id", "spec_json", "replay_address", "rollout_addresses", "run_dir", "weight_sync_rank", "weight_sync_world_size", "trainer_host", "trainer_peers", "leader_host", "resume_from")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class StartJobRequest(_message.Message):
     TRAINER_HOST_FIELD_NUMBER: _ClassVar[int]
     TRAINER_PEERS_FIELD_NUMBER: _ClassVar[int]
     LEADER_HOST_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     spec_json: str
     replay_address: str
@@ -72,7 +73,8 @@ class StartJobRequest(_message.Message):
     trainer_host: str
     trainer_peers: _containers.RepeatedScalarFieldContainer[str]
     leader_host: str
-    def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., replay_address: _Optional[str] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ..., weight_sync_rank: _Optional[int] = ..., weight_sync_world_size: _Optional[int] = ..., trainer_host: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ..., leader_host: _Optional[str] = ...) -> None: ...
+    resume_from: str
+    def __init__(self, job_id: _Optional[str] = ..., spec_json: _Optional[str] = ..., replay_address: _Optional[str] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., run_dir: _Optional[str] = ..., weight_sync_rank: _Optional[int] = ..., weight_sync_world_size: _Optional[int] = ..., trainer_host: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ..., leader_host: _Optional[str] = ..., resume_from: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("ok", "message")

@@ -99,12 +99,14 @@ class RenewLeaseReply(_message.Message):
     def __init__(self, renewed: _Optional[bool] = ...) -> None: ...
 
 class ReturnLeaseRequest(_message.Message):
-    __slots__ = ("job_id", "lease_id")
+    __slots__ = ("job_id", "lease_id", "all")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    all: bool
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class ReturnLeaseReply(_message.Message):
     __slots__ = ("returned",)

@@ -126,12 +126,14 @@ class InitWeightSyncRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., trainer_device_uuid: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("job_id", "policy_version")
+    __slots__ = ("job_id", "policy_version", "resync")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     policy_version: int
-    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    resync: bool
+    def __init__(self, job_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsReply(_message.Message):
     __slots__ = ("policy_version", "pause_s", "receive_s")

@@ -52,6 +52,11 @@ class SchedulerStub:
                 request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.ResumeJob = channel.unary_unary(
+                '/reflow.v1.Scheduler/ResumeJob',
+                request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
+                _registered_method=True)
         self.ListJobs = channel.unary_unary(
                 '/reflow.v1.Scheduler/ListJobs',
                 request_serializer=reflow_dot_v1_dot_scheduler__pb2.ListJobsRequest.SerializeToString,
@@ -99,6 +104,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeJob(self, request, context):
+        """Continue a STOPPED or FAILED job from its newest committed checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListJobs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -140,6 +152,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'StopJob': grpc.unary_unary_rpc_method_handler(
                     servicer.StopJob,
+                    request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
+                    response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.SerializeToString,
+            ),
+            'ResumeJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeJob,
                     request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
                     response_serializer=reflow_dot_v1_dot_scheduler__pb2.JobStatus.SerializeToString,
             ),
@@ -245,6 +262,33 @@ class Scheduler:
             request,
             target,
             '/reflow.v1.Scheduler/StopJob',
+            reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+            reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Scheduler/ResumeJob',
             reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
             reflow_dot_v1_dot_scheduler__pb2.JobStatus.FromString,
             options,

@@ -1,0 +1,39 @@
+"""The cluster backend protocol: what the scheduler and each job's controller
+need from where jobs run. `local` (scheduler/local.py: processes on this
+machine) and `kubernetes` (scheduler/kube.py: worker pods) implement it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from reflow.scheduler.local import Placement, ServiceLog
+
+
+class Backend(Protocol):
+    supports_elastic: bool
+
+    def prepare(self, spec) -> None:
+        """Make what every service of the job loads (the model preset) exist once."""
+
+    def place(self, job_id: str, run_dir: Path, colocated: bool = False,
+              roles: list[str] | None = None) -> Placement:
+        """Start (or claim) the job's services; NoCapacity while none are free."""
+
+    def release(self, placement: Placement) -> None:
+        """Take the job's services down (or back to the free pool), nothing left behind."""
+
+    def restart(self, placement: Placement, name: str) -> None:
+        """Start service `name` of a placement again, at the same address, after it
+        died; returns once it is healthy. Optional: on a backend without it (the
+        kubernetes one, so far) the job controller fails the job instead."""
+
+    def read_logs(self, run_dir: Path, services: list[str], tail_bytes: int,
+                  workers: dict[str, list[str]] | None = None) -> list[ServiceLog]: ...
+
+    def reclaim_orphans(self, active_job_ids: set[str]) -> list[str]:
+        """Take back workers still assigned to jobs that no longer run."""
+
+    def leader_lease(self, name: str, identity: str): ...
+
+    def close(self) -> None: ...

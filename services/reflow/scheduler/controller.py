@@ -1,0 +1,146 @@
+"""A job's controller: its recovery decisions when one of its services dies.
+
+The scheduler's job thread starts the job and watches it (scheduler/service.py);
+when a service process is gone it asks the controller what to do. Every fault
+is typed (core/errors.py): a TemporaryError is recovered from, a
+PermanentError fails the job.
+
+A dead trainer (paper §4.1's step 3 stops) is restarted: its process comes back
+at the same address, the leases it held are returned at once instead of after
+their TTL, and it resumes from the run's newest committed checkpoint
+(trainer/checkpoint.py). The rollout workers keep generating meanwhile; the
+restarted trainer's weight-sync group is a new one, which they re-join, and it
+publishes its resumed weights as a version above any seen, so that versions
+keep rising. The steps trained after that checkpoint are lost (their records
+leave the job's metrics); no sample is handed out as fresh twice, because the
+buffer, which outlives the trainer, says what was trained.
+
+A dead replay buffer is started again at its address: its state is all in
+Redis, so the new process is the same buffer, and its clients (rollout's puts,
+the trainer's leases, the dispatcher's grants) ride the gap out on their retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from reflow.core.config import JobSpec
+from reflow.core.errors import PermanentError, TemporaryError
+from reflow.trainer.checkpoint import latest_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# The services of a fixed-role job the controller brings back when they die.
+RESTARTABLE = ("trainer", "replay", "rollout")
+
+
+class JobController:
+    def __init__(self, record, spec: JobSpec, store, backend, placement, replay, trainer,
+                 run_dir: Path, events=None, dispatcher=None, start_rollout=None) -> None:
+        """`record`/`store`: the job's record and the job store; `replay`,
+        `trainer`: clients of the job's buffer and trainer; `events(dict)`: the
+        job's scheduling-event log (the dispatcher's); `dispatcher`: the job's
+        dispatcher; `start_rollout(i)`: starts the job on rollout worker i."""
+        self.record, self.spec, self.store = record, spec, store
+        self.backend, self.placement = backend, placement
+        self.replay, self.trainer, self.run_dir = replay, trainer, run_dir
+        self.events = events or (lambda event: None)
+        self.dispatcher, self.start_rollout = dispatcher, start_rollout
+        self.recoveries: list[dict] = []
+
+    def on_exit(self, name: str, code: int, what: str, elastic: bool) -> None:
+        """Service `name` is gone (`what` happened, with exit `code`): recover (and
+        return) or raise PermanentError with the reason the job fails for."""
+        reason = f"{name} {what} (exit code {code})"
+        try:
+            if name not in RESTARTABLE or elastic:
+                raise PermanentError(f"{reason}; a fixed-role job's {' and '.join(RESTARTABLE)} "
+                                     "are restarted, nothing else yet")
+            if getattr(self.backend, "restart", None) is None:
+                raise PermanentError(f"{reason}; this cluster backend does not restart services")
+            done = self.record.restarts.get(name, 0)
+            if done >= self.spec.cluster.max_restarts:
+                raise PermanentError(f"{reason}; restarted {done} times already "
+                                     f"(cluster.max_restarts={self.spec.cluster.max_restarts})")
+            if name == "trainer":
+                self._restart_trainer(code)
+            elif name == "rollout":
+                self._restart_rollout(code)
+            else:
+                self._restart_buffer(code)
+        except TemporaryError as err:
+            raise PermanentError(f"{reason}; recovery failed: {err}") from err
+
+    def _restart_buffer(self, code: int) -> None:
+        """The replay buffer keeps nothing of its own (its state is in Redis, every
+        transition one atomic script): a new process at the same address is the
+        same buffer. Its clients ride out the gap on their retries."""
+        started = time.monotonic()
+        try:
+            self.backend.restart(self.placement, "replay")
+        except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
+            raise TemporaryError(f"replay buffer did not come back: {type(err).__name__}: "
+                                 f"{err}") from err
+        self._count_restart("replay")
+        self._recorded({"event": "service_restarted", "service": "replay", "exit_code": code,
+                        "restart_s": round(time.monotonic() - started, 3)})
+
+    def _restart_rollout(self, code: int) -> None:
+        """A rollout worker comes back at its address, from model.path: the
+        groups it held go out again (the dispatcher's worker_lost), and the trainer,
+        whose next weight update to it fails, builds a new weight-sync group once
+        it runs and publishes the trained weights to it (trainer/publish.py)."""
+        if self.dispatcher is None or self.start_rollout is None:
+            raise PermanentError("rollout worker died; this job cannot start a new one")
+        started = time.monotonic()
+        address = self.placement.rollout_addresses[0]
+        rerouted = self.dispatcher.worker_lost(address)
+        try:
+            self.backend.restart(self.placement, "rollout")
+            self.start_rollout(0)
+        except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
+            raise TemporaryError(f"rollout worker did not come back: {type(err).__name__}: "
+                                 f"{err}") from err
+        self._count_restart("rollout")
+        self._recorded({"event": "service_restarted", "service": "rollout", "exit_code": code,
+                        "groups_rerouted": rerouted,
+                        "restart_s": round(time.monotonic() - started, 3)})
+
+    def _count_restart(self, name: str) -> None:
+        self.record.restarts[name] = self.record.restarts.get(name, 0) + 1
+        self.store.save(self.record)
+
+    def _recorded(self, event: dict) -> None:
+        self.recoveries.append(event)
+        self.events(event)
+        logger.warning("job %s: %s", self.record.job_id, event)
+
+    def _restart_trainer(self, code: int) -> None:
+        started = time.monotonic()
+        job_id = self.record.job_id
+        dead_step = self.record.step
+        try:
+            self.backend.restart(self.placement, "trainer")
+        except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
+            raise TemporaryError(f"trainer did not come back: {type(err).__name__}: {err}") from err
+        # The dead incarnation's leases: every lease of the job (one leader at a time).
+        returned = self.replay.return_all_leases(job_id)
+        checkpoint = latest_checkpoint(self.run_dir)
+        step = checkpoint.step if checkpoint is not None else 0
+        # Steps after the checkpoint are trained again; each keeps one record.
+        self.store.drop_metrics_after(job_id, step)
+        self.record.step = step
+        self._count_restart("trainer")
+        self.trainer.start_job(job_id, self.record.spec_json, self.placement.replay_address,
+                               self.placement.rollout_addresses, str(self.run_dir),
+                               resume_from=checkpoint.path.name if checkpoint else "")
+        # The steps lost are counted by the resumed trainer, from the dead one's own
+        # records (its first record's superseded_steps); the scheduler saw this much.
+        event = {"event": "service_restarted", "service": "trainer", "exit_code": code,
+                 "polled_step_at_death": dead_step, "resumed_step": step,
+                 "leases_returned": returned,
+                 "checkpoint": checkpoint.path.name if checkpoint else "",
+                 "restart_s": round(time.monotonic() - started, 3)}
+        self._recorded(event)

@@ -1,0 +1,166 @@
+"""The trainer's side of weight sync (paper §4.1 step 4): the broadcast group
+with every rollout engine, publishing each policy version, and keeping both
+going when a rollout worker is replaced.
+
+A rollout worker that died takes its rank of the group with it: the next
+publish fails at its update call (unreachable, or a fresh process that has not
+joined). The trainer then waits for every worker of the job to generate again
+(the job controller restarts the dead one), builds a new group on a new port,
+which the survivors re-join (rollout/weights.py), and publishes its weights as
+a resync, so the new worker, started from model.path, holds the trained ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+
+import torch
+
+from reflow.procs import free_port
+from reflow.rollout.engine import WeightSyncSpec
+from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
+                               send_weights, specs_of)
+
+logger = logging.getLogger(__name__)
+
+# How long a rebuild waits for the replaced worker's engine to run again.
+ENGINE_RETURN_TIMEOUT_S = 600.0
+
+
+class WeightPublisher:
+    """Weight-sync methods of `TrainLoop` (trainer/loop.py), which holds the state
+    they use (`rollouts`, `_pool`, `_sync_group`, `policy_version`, the model)."""
+
+    def init_weight_sync(self) -> None:
+        """Build the broadcast group: trainer rank 0, then each rollout engine's
+        tensor-parallel workers in turn (weightsync.RankPlan; with TP 1 engine i is
+        rank i+1)."""
+        named = self._named_weights()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        port = free_port()
+        tp = self.spec.rollout.tensor_parallel_size
+        plan = RankPlan.for_engines([tp] * len(self.rollouts))
+        world = plan.world_size
+        tensors = [(s.name, list(s.shape), s.dtype) for s in specs_of(named)]
+        # On nccl an engine on the trainer's own GPU refuses to join (weightsync).
+        device_uuid = cuda_device_uuid(self.device) if backend == "nccl" else ""
+        futures = [
+            self._pool.submit(
+                client.init_weight_sync,
+                self.job_id,
+                WeightSyncSpec(self.master_address, port, plan.first_rank(i), world, backend,
+                               tensors, DEFAULT_BUCKET_BYTES, tp, device_uuid),
+            )
+            for i, client in enumerate(self.rollouts)
+        ]
+        self._sync_group = make_group(self.master_address, port, 0, world, backend)
+        for f in futures:
+            f.result()
+        logger.info("job %s: weight sync group ready (%s, %d ranks)", self.job_id, backend, world)
+
+    def _resync_engines(self) -> None:
+        """After a resume (or a restart before any checkpoint) the engines hold
+        other weights (a newer version of the trainer that died, or model.path
+        after a whole-job restart): publish the
+        resumed weights at once, as a version above every one seen so far, so
+        versions keep rising and δ keeps meaning what it says."""
+        seen = [self.policy_version, self.replay.stats(self.job_id).policy_version]
+        seen += [c.stats(self.job_id).policy_version for c in self.rollouts]
+        if self.resume_from is None and max(seen) == self.policy_version:
+            return  # a fresh job: every engine holds model.path, version 0
+        self.policy_version = max(seen)
+        sync_s, _ = self._publish(resync=True)
+        logger.info("job %s: engines re-synced to the resumed weights as version %d (%.2fs)",
+                    self.job_id, self.policy_version, sync_s)
+
+    def _publish(self, resync: bool = False) -> tuple[float, float]:
+        """Send the weights to every rollout worker as version v+1, then tell the buffer
+        (`resync`: the first version of a resumed trainer, which may skip versions).
+        Returns the seconds it took, and how many of them the slowest worker spent
+        pausing: the trainer's send waits for that, so it is trainer idle time (with
+        partial rollout off, as verl's one_step_off, the pause lets the samples in
+        flight finish under the old weights)."""
+        t0 = time.monotonic()
+        version = self.policy_version + 1
+        futures = [
+            self._pool.submit(client.update_weights, self.job_id, version,
+                              **({"resync": True} if resync else {}))
+            for client in self.rollouts
+        ]
+        sender = self._pool.submit(self._send_weights)
+        # A worker that refuses the version (or has died) never joins the broadcast,
+        # which would then wait out the group's timeout: fail at its refusal instead.
+        done, _ = concurrent.futures.wait([sender, *futures],
+                                          return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+        sender.result()
+        updates = [f.result() for f in futures]
+        self.policy_version = version
+        self.replay.publish_version(self.job_id, version)
+        return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
+
+    def _send_weights(self) -> None:
+        with torch.no_grad():
+            send_weights(self._sync_group, self._named_weights())
+
+    def _publish_or_rebuild(self) -> tuple[float, float]:
+        """`_publish`, and when a rollout worker's update fails, rebuild the group
+        once the job's workers run again and publish as a resync (bounded by
+        cluster.max_restarts over the job)."""
+        try:
+            return self._publish()
+        except Exception as err:  # noqa: BLE001 - classified below
+            if self.stopping or self.weight_sync_rebuilds >= self.spec.cluster.max_restarts:
+                raise
+            reason = f"publishing v{self.policy_version + 1} failed ({type(err).__name__}: {err})"
+        return self._rebuild_weight_sync(reason)
+
+    def resync_replaced_engines(self) -> None:
+        """While the trainer waits for a batch: an engine that runs a version below
+        the published one is a replaced worker, started from model.path. Its
+        samples would be evicted as stale on arrival and the trainer would wait
+        forever, so it gets the trained weights now, not at the next step."""
+        if self._sync_group is None or self.weight_sync_rebuilds >= self.spec.cluster.max_restarts:
+            return
+        behind = []
+        for c in self.rollouts:
+            s = self._rollout_stats(c)
+            if s is not None and s.state == "running" and s.policy_version < self.policy_version:
+                behind.append(f"{c.address} at v{s.policy_version}")
+        if behind:
+            self._rebuild_weight_sync(f"replaced rollout workers behind v{self.policy_version}: "
+                                      + ", ".join(behind))
+
+    def _rebuild_weight_sync(self, reason: str) -> tuple[float, float]:
+        logger.warning("job %s: %s; rebuilding weight sync", self.job_id, reason)
+        started = time.monotonic()
+        self.weight_sync_rebuilds += 1
+        self._wait_engines_running()
+        self._sync_group = None  # its sockets close: survivors' receives fail and end
+        self.init_weight_sync()
+        _, wait_s = self._publish(resync=True)
+        logger.info("job %s: weight sync rebuilt, v%d published in %.1fs", self.job_id,
+                    self.policy_version, time.monotonic() - started)
+        return time.monotonic() - started, wait_s
+
+    def _wait_engines_running(self) -> None:
+        deadline = time.monotonic() + ENGINE_RETURN_TIMEOUT_S
+        while True:
+            states = {}
+            for c in self.rollouts:
+                try:
+                    states[c.address] = c.stats(self.job_id).state
+                except Exception as err:  # noqa: BLE001 - not back yet
+                    states[c.address] = f"unreachable ({type(err).__name__})"
+            if all(s in ("running", "standby") for s in states.values()):
+                return
+            if self.stopping:
+                raise RuntimeError("stopped while waiting for the rollout workers")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout workers not running again within "
+                                   f"{ENGINE_RETURN_TIMEOUT_S:.0f}s: {states}")
+            time.sleep(1.0)

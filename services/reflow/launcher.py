@@ -142,8 +142,11 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
                       "skip or repeat samples", file=sys.stderr)
                 return 2
             except FailedPrecondition as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
+                # A run whose launcher was killed left its job RUNNING: the scheduler
+                # resumed it on start (Scheduler.recover); watch that.
+                if scheduler.get(job_id).phase not in ("PENDING", "RUNNING"):
+                    print(f"error: {err}", file=sys.stderr)
+                    return 2
         else:
             scheduler.submit(spec.model_dump_json(), job_id=job_id, run_dir=str(run_dir))
         print(f"job {job_id}: run directory {run_dir}", flush=True)

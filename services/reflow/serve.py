@@ -19,20 +19,24 @@ import logging
 import os
 import signal
 import socket
-import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger("reflow.serve")
 
 
 def _wait_for_signal() -> None:
-    stop = threading.Event()
+    # The handler only appends to a list: one that set a threading.Event could run
+    # while the main thread, interrupted inside Event.wait, held the event's lock,
+    # and deadlock there (seen: a replay buffer that never exited on SIGTERM).
+    received: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         # A service that reflow itself started ignores SIGINT (reflow.cli.main):
         # its parent stops it in order.
         if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+            signal.signal(sig, lambda signum, _frame: received.append(signum))
+    while not received:
+        time.sleep(0.2)
 
 
 def _redis_url() -> tuple[str, object | None]:

@@ -220,6 +220,11 @@ class RolloutService:
                                                             hand_back)
 
     def shutdown(self) -> None:
+        """The process is going away: its replay client first, so a Put retrying
+        against a buffer that is gone too (the whole job is being taken down) ends
+        now instead of holding the exit for its retry bound."""
+        if self._replay is not None:
+            self._replay.close()
         if self.worker is not None:
             self.worker.stop()
         self._close_rewards()

@@ -67,19 +67,38 @@ class Scheduler:
 
     def recover(self) -> None:
         """Jobs that were running when a previous scheduler died lost their watcher
-        (and, locally, their processes) with it: mark them failed rather than leave
-        them RUNNING forever, and have the backend take back any workers still
-        assigned to a job that no longer runs."""
-        for record in list(self.store.all()):
-            if not record.terminal:
-                record.phase, record.reason = "FAILED", "scheduler restarted while the job ran"
-                record.finished_at = time.time()
-                self.store.save(record)
+        (and, locally, their processes) with it. The backend first takes back every
+        worker still assigned to them; then each RUNNING job with a committed
+        checkpoint resumes from it (trainer/checkpoint.py, the dispatcher's ledger
+        in scheduler/inflight.py), one without fails with the reason, and PENDING
+        jobs wait for workers again, oldest first."""
+        from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
+
         # A flip a dead scheduler left half done (Kubernetes) is rolled back first.
         recover_flips = getattr(self.backend, "recover_flips", None)
         if recover_flips is not None:
             recover_flips()
         self.backend.reclaim_orphans(active_job_ids=set())
+        unfinished = sorted((r for r in self.store.all() if not r.terminal),
+                            key=lambda r: r.created_at)
+        for record in unfinished:
+            resume = False
+            if record.phase == "RUNNING":
+                try:
+                    info = check_resume_dir(self.roots.run_dir(record.run_dir))
+                except (CheckpointError, ValueError) as err:
+                    record.phase, record.finished_at = "FAILED", time.time()
+                    record.reason = f"scheduler restarted while the job ran; no resume: {err}"
+                    self.store.save(record)
+                    continue
+                resume = True
+                record.phase, record.step = "PENDING", info.step
+                record.reason = f"scheduler restarted; resuming from step {info.step}"
+                self.store.drop_metrics_after(record.job_id, info.step)
+                self._backfill_metrics(record, info.step)
+                self.store.save(record)
+            logger.info("job %s: %s", record.job_id, record.reason or "pending again")
+            self._start_thread(record, resume)
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
         """Record and start a job. A given job_id makes this idempotent: the same spec
@@ -116,12 +135,39 @@ class Scheduler:
             stored, created = self.store.create(record)
             if not created:
                 return self._resubmitted(record)
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run_job, args=(record, stop),
-                                      name=f"job-{job_id}", daemon=True)
-            self._stops[job_id], self._threads[job_id] = stop, thread
-        thread.start()
+            self._start_thread(record, resume=False)
         return record, True
+
+    def _backfill_metrics(self, record: JobRecord, upto_step: int) -> int:
+        """Steps up to the checkpoint that the job store never got (trained after the
+        last poll of a scheduler that died, or a stop), from the trainer's own
+        `metrics.jsonl` in the run directory; returns the records added."""
+        import json
+
+        path = self.roots.run_dir(record.run_dir) / "metrics.jsonl"
+        if not path.is_file():
+            return 0
+        have = {int(m["step"]) for m in self.store.metrics(record.job_id, 0, 10_000)}
+        missing = []
+        for line in path.read_text().splitlines():
+            try:
+                m = json.loads(line)
+                step = int(m["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line
+            if step <= upto_step and step not in have:
+                missing.append(m)
+                have.add(step)
+        self.store.append_metrics(record.job_id, missing)
+        return len(missing)
+
+    def _start_thread(self, record: JobRecord, resume: bool) -> None:
+        stop = threading.Event()
+        thread = threading.Thread(target=self._run_job,
+                                  args=(record, stop, True) if resume else (record, stop),
+                                  name=f"job-{record.job_id}", daemon=True)
+        self._stops[record.job_id], self._threads[record.job_id] = stop, thread
+        thread.start()
 
     def _resubmitted(self, record: JobRecord) -> tuple[JobRecord, bool]:
         stored = self.store.get(record.job_id)
@@ -160,12 +206,9 @@ class Scheduler:
             record.finished_at = 0.0
             record.step = info.step
             self.store.drop_metrics_after(job_id, info.step)
+            self._backfill_metrics(record, info.step)
             self.store.save(record)
-            stop = threading.Event()
-            thread = threading.Thread(target=self._run_job, args=(record, stop, True),
-                                      name=f"job-{job_id}", daemon=True)
-            self._stops[job_id], self._threads[job_id] = stop, thread
-        thread.start()
+            self._start_thread(record, resume=True)
         return record
 
     def get(self, job_id: str) -> JobRecord:
@@ -476,7 +519,12 @@ class Scheduler:
         m = status.last_metrics
         try:
             self.store.append_metrics(record.job_id, status.metrics)
-            record.step, record.policy_version = status.step, status.policy_version
+            # The step of the last record stored, not the trainer's counter: that one
+            # moves before the step's record exists, and the next poll asks for the
+            # records after record.step (a poll in between lost one, now and then).
+            if status.metrics:
+                record.step = max(record.step, max(int(r["step"]) for r in status.metrics))
+            record.policy_version = status.policy_version
             if m:
                 record.reward_mean = float(m.get("reward_mean", 0.0))
                 record.trainer_tokens_per_s = float(m.get("trainer_tokens_per_s", 0.0))

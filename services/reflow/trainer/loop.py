@@ -283,6 +283,7 @@ class TrainLoop(WeightPublisher):
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
         previous_end = time.monotonic()
+        checkpoint_s = 0.0  # the staging of the save the previous step started
         self.evals.maybe_start(self.policy_version)  # the initial weights, as a baseline
         while self.step < self.spec.trainer.num_steps:
             if self._stop.is_set():
@@ -296,8 +297,9 @@ class TrainLoop(WeightPublisher):
                 # 2. Optimise, renewing the lease meanwhile: a step longer than the lease
                 #    must not see its samples handed back and trained again as fresh.
                 train_start = time.monotonic()
-                # From the optimizer step until the release, the weights are a step
-                # ahead of what the buffer knows as trained: no checkpoint then.
+                # From the optimizer step until the step's record is out, the state is
+                # between steps (ahead of the buffer, or of the curve): no stop
+                # checkpoint then; the last committed one stays the one to resume.
                 self._mid_step = True
                 with self._lease_kept(batch):
                     stats, sample_stats = self._train_step(batch)
@@ -310,7 +312,6 @@ class TrainLoop(WeightPublisher):
                 if not released:
                     self._give_back(batch)
             self.step += 1
-            self._mid_step = False
             # 4. Publish a new policy version every sync_interval steps.
             sync_s = sync_wait_s = 0.0
             if self.step % self.spec.trainer.sync_interval == 0:
@@ -318,9 +319,6 @@ class TrainLoop(WeightPublisher):
                 self.evals.maybe_start(self.policy_version)
                 # Roles move at sync boundaries only (paper §5).
                 self.apply_membership()
-            checkpoint_s = 0.0
-            if self.checkpointer is not None and self.checkpointer.due(self.step):
-                checkpoint_s = self.checkpoint()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end
             rollout_now = self._rollout_totals()
@@ -332,8 +330,8 @@ class TrainLoop(WeightPublisher):
             last = self.step == self.spec.trainer.num_steps
             record.update(self.evals.take(wait_s=EVAL_FINAL_WAIT_S if last else 0.0))
             if self.checkpointer is not None:
-                # The save this step started pays only its staging here; the write
-                # of an earlier one is reported once it committed.
+                # The staging of the save the previous step started (its write runs
+                # beside training); the last committed save's size and times.
                 record["checkpoint_s"] = checkpoint_s
                 record["last_checkpoint_step"] = self.checkpointer.last_committed_step
                 record.update(self.checkpointer.last)
@@ -342,6 +340,11 @@ class TrainLoop(WeightPublisher):
                 record["resumed_from_step"] = self.resume_from.step
                 record["superseded_steps"] = self.superseded_steps
             self._emit(record)
+            self._mid_step = False
+            # After the step's record: a checkpoint of step N always has N's record.
+            checkpoint_s = 0.0
+            if self.checkpointer is not None and self.checkpointer.due(self.step):
+                checkpoint_s = self.checkpoint()
         if self.group is not None:
             self.group.send_command("stop", self.step)
 
@@ -364,8 +367,8 @@ class TrainLoop(WeightPublisher):
         if cp is None or self.step == 0:
             return
         if self._mid_step:
-            # Stopped between an optimizer step and its lease's release: those
-            # samples go back to the pool, so these weights must not be kept.
+            # Stopped between an optimizer step and its record: the weights are not
+            # those of a whole step the buffer and the curve both know.
             logger.warning("job %s: stopped mid-step; the last committed checkpoint (step %d) "
                            "stays the one to resume from", self.job_id, cp.last_committed_step)
             cp.wait(timeout_s)

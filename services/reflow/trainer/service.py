@@ -16,6 +16,10 @@ from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.trainer.loop import JobStopped, TrainLoop
 
+# How long a shutdown lets the step in progress finish before it cuts the buffer's
+# retries short.
+SHUTDOWN_STEP_WAIT_S = 10.0
+
 # A replica's states that end its part in a job.
 TERMINAL = ("succeeded", "failed", "stopped")
 
@@ -203,6 +207,12 @@ class TrainerService:
             return
         logger.info("job %s: stopping for shutdown", self.job_id)
         loop.stop()
+        thread.join(SHUTDOWN_STEP_WAIT_S)
+        if thread.is_alive() and loop.replay is not None:
+            # Still in a call to the buffer, retrying: when the whole job goes down the
+            # buffer is gone too. Cut the retry short; the stop checkpoint goes on
+            # without the buffer's ledger (TrainLoop.checkpoint).
+            loop.replay.close()
         thread.join(timeout_s)
 
     def status(self, job_id: str, since_step: int = -1) -> dict:

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -101,6 +102,11 @@ def test_a_process_is_placed_by_its_latest_command_line():
     try:
         key = (child.pid, psutil.Process(child.pid).create_time())
         known = {key: ("launcher", "reflow run x.yaml")}
+        # Under load the child may not have exec'd yet: what is placed is the command
+        # line it runs once it has.
+        deadline = time.monotonic() + 30
+        while "serve" not in psutil.Process(child.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.01)
         sample = process_cpu.sample_tree(child.pid, 0, known)
         assert key in sample.cpu_s
         assert known[key][0] == "replay"

@@ -30,7 +30,6 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_path):
-    started = time.monotonic()
     missing = reflow("run", "--resume", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no such run directory" in missing.stderr
     (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
@@ -38,8 +37,7 @@ def test_resume_refuses_what_it_cannot_continue_before_starting_anything(tmp_pat
     assert torn.returncode == 2 and "no committed checkpoint" in torn.stderr
     both = reflow("run", str(QUICKSTART), "--resume", str(tmp_path / "run"))
     assert both.returncode == 2 and "no config file" in both.stderr
-    # Refused in the CLI's own process: no stack was started (that takes seconds).
-    assert time.monotonic() - started < 60
+    # Refused in the CLI's own process: no stack was started (it would write logs/).
     assert not (tmp_path / "run" / "logs").exists()
 
 

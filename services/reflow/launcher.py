@@ -104,8 +104,11 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     job_id = resume_job_id or f"{spec.name}-{stamp}"
     phase = "FAILED"
+    scheduler = None
     try:
         redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync).start()
+        # A Redis that dies mid-run comes back on its port from its append-only file.
+        redis.supervise()
         # The roots this run's services accept paths under: the run directory's
         # parent, and the models root (by default the directory holding the spec's
         # model: `reflow run` trusts its own command line, not the network).
@@ -181,6 +184,14 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job and every process it started", flush=True)
         phase = "STOPPED"
+        if scheduler is not None:
+            # Stopped by its user, so recorded STOPPED (and resumable), not handed
+            # over as the scheduler's own SIGTERM would leave it.
+            try:
+                scheduler.stop(job_id)
+            except Exception as err:  # noqa: BLE001 - the scheduler's SIGTERM still saves it
+                print(f"job {job_id}: not stopped through the scheduler ({err}); it is "
+                      "handed over at the scheduler's shutdown instead", flush=True)
     finally:
         # The API, then the scheduler, each alone first: the scheduler stops its job
         # in order (the trainer checkpoints the step it reached, the buffer goes

@@ -52,6 +52,7 @@ def _redis_url() -> tuple[str, object | None]:
         raise SystemExit(f"embedded redis: {err}") from None
     data_dir = Path(os.environ.get("REFLOW_DATA_DIR", ".reflow/redis"))
     embedded = EmbeddedRedis(data_dir, appendfsync=appendfsync).start()
+    embedded.supervise()
     return embedded.url, embedded
 
 
@@ -146,7 +147,13 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
         core.recover()
         _start_metrics_server(scheduler_registry(core))
         server, _ = serve(core, address)
-        shutdown = core.shutdown
+
+        def shutdown() -> None:
+            # A SIGTERM (helm upgrade, a drained node) hands the jobs over to the
+            # next scheduler instead of stopping them (scheduler/recovery.py).
+            core.shutdown(handover=True)
+            if lease is not None:
+                lease.release()
     else:
         raise SystemExit(f"unknown service {name!r}")
     from reflow.procs import tune_gc

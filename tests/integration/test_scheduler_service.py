@@ -158,3 +158,56 @@ def test_a_job_waits_pending_for_free_workers_and_can_be_stopped_there(redis_ser
     # Placed once workers are free; nothing serves those addresses, so it then fails.
     job = _wait_for(lambda: (j := core.get("lucky")).terminal and j)
     assert backend.placed == ["lucky"] and job.phase == "FAILED" and job.started_at > 0
+
+
+class OneSlotBackend(FullBackend):
+    """Room for one job at a time; a release frees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.busy = threading.Lock()
+
+    def place(self, job_id, run_dir, colocated=False):
+        if not self.busy.acquire(blocking=False):
+            raise NoCapacity("job needs 2 free workers and 0 are free")
+        self.placed.append(job_id)
+        return Placement(replay_address="127.0.0.1:1", rollout_addresses=["127.0.0.1:1"],
+                         trainer_address="127.0.0.1:1")
+
+    def release(self, placement):
+        self.busy.release()
+
+    def close(self):
+        pass
+
+
+def test_pending_jobs_are_placed_in_submission_order_and_a_handover_keeps_them_pending(
+        redis_server, redis_client, tmp_path, monkeypatch):
+    # Each waiting job would try again on its own timer; a second apart, submitted
+    # half a second apart, whichever timer fired first after a release would win.
+    monkeypatch.setattr("reflow.scheduler.service.QUEUE_RETRY_S", 1.0)
+    backend = OneSlotBackend()
+    core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend,
+                     PathRoots(tmp_path, tmp_path))
+    spec = '{"model": {"path": "m"}}'
+    backend.busy.acquire()  # another job holds the workers for now
+    order = [f"fifo-{i}" for i in range(4)]
+    for job_id in order:
+        core.submit(spec, job_id=job_id)
+        time.sleep(0.5)
+    assert core.queue.waiting() == order
+    assert all(core.get(j).phase == "PENDING" for j in order)
+    backend.release(None)
+    # Each is placed, fails to start (nothing listens there) and releases the slot,
+    # which goes to the oldest job still waiting, however the timers fall.
+    _wait_for(lambda: all(core.get(j).terminal for j in order), 120)
+    assert backend.placed == order
+    assert core.queue.waiting() == []
+
+    # A scheduler handing over leaves a waiting job PENDING for the next one.
+    backend.busy.acquire()
+    core.submit(spec, job_id="fifo-waiting")
+    _wait_for(lambda: core.get("fifo-waiting").reason)
+    core.shutdown(handover=True)
+    job = core.get("fifo-waiting")
+    assert job.phase == "PENDING" and job.finished_at == 0 and "0 are free" in job.reason

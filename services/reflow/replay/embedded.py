@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import subprocess  # nosec B404 # starts redis-server from a fixed argv list, no shell
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
 
     @property
     def url(self) -> str:
@@ -97,7 +100,37 @@ class EmbeddedRedis:
                     self.appendfsync)
         return self
 
+    def supervise(self, max_restarts: int = 5, poll_s: float = 0.2) -> threading.Thread:
+        """Start the server again, on the same port and data directory, whenever it
+        dies (OOM-killed, `kill -9`), up to `max_restarts` times: it loads its
+        append-only file (everything acknowledged, under `always`; all but about
+        the last second, under `everysec`), and its clients' bounded retries
+        (reflow/redisconn.py) ride out the gap. stop() ends the supervision first."""
+
+        def watch() -> None:
+            while not self._stopping.wait(poll_s):
+                proc = self.proc
+                if proc is None or proc.poll() is None:
+                    continue
+                if self.restarts >= max_restarts:
+                    logger.error("embedded redis exited (code %s) %d times; not restarted "
+                                 "again", proc.returncode, self.restarts + 1)
+                    return
+                self.restarts += 1
+                logger.warning("embedded redis exited (code %s); restarting it on port %d "
+                               "from %s (restart %d of %d)", proc.returncode, self.port,
+                               self.data_dir, self.restarts, max_restarts)
+                try:
+                    self.start(timeout_s=30.0)
+                except RuntimeError as err:
+                    logger.error("embedded redis did not come back: %s", err)
+
+        thread = threading.Thread(target=watch, name="embedded-redis-supervisor", daemon=True)
+        thread.start()
+        return thread
+
     def stop(self) -> None:
+        self._stopping.set()
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

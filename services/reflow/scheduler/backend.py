@@ -28,6 +28,12 @@ class Backend(Protocol):
         died; returns once it is healthy. Optional: on a backend without it (the
         kubernetes one, so far) the job controller fails the job instead."""
 
+    def adopt(self, job_id: str) -> Placement | None:
+        """Optional, where a job's services outlive the scheduler that placed them
+        (kubernetes): the placement of the running job `job_id` as found, or None
+        when it is not whole. A backend without it (local, whose services die with
+        their scheduler) has its running jobs resumed from their checkpoints."""
+
     def read_logs(self, run_dir: Path, services: list[str], tail_bytes: int,
                   workers: dict[str, list[str]] | None = None) -> list[ServiceLog]: ...
 

@@ -449,6 +449,13 @@ class KubernetesBackend:
         return stop_and_wait_idle(name, address, job_id, self.settings.worker_rpc_timeout_s,
                                   self.settings.stop_timeout_s)
 
+    def adopt(self, job_id: str) -> KubePlacement | None:
+        """The running job's placement from its pods, for a new scheduler
+        (scheduler/kube_adopt.py); None when it is not whole."""
+        from reflow.scheduler.kube_adopt import adopt_placement
+
+        return adopt_placement(self, job_id)
+
     def release(self, placement: KubePlacement) -> None:
         """Stop the job on every worker, wait until they report idle, then give the
         pods back (labels `idle`, only where they still carry this job)."""

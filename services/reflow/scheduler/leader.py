@@ -180,3 +180,30 @@ class LeaderLease:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def release(self) -> bool:
+        """Give the lease up now (a graceful shutdown, once this scheduler stopped
+        acting): the holder is cleared, so a standby takes over at its next try
+        instead of after a whole lease duration. False when this scheduler did not
+        hold it, or another one moved it first."""
+        from kubernetes.client.exceptions import ApiException
+
+        held = self.held()
+        self._stop.set()
+        if not held:
+            return False
+        try:
+            lease = self.call(self.api.read_namespaced_lease, self.name, self.namespace)
+            if lease.spec is None or lease.spec.holder_identity != self.identity:
+                return False
+            lease.spec.holder_identity = ""
+            lease.spec.renew_time = _now()
+            if isinstance(lease.spec.acquire_time, dt.datetime):
+                lease.spec.acquire_time = _micro_time(lease.spec.acquire_time)
+            self.call(self.api.replace_namespaced_lease, self.name, self.namespace, lease)
+        except (ApiException, Exception) as err:  # noqa: BLE001 - it then expires instead
+            logger.warning("lease %s: not released (%s: %s); it expires instead", self.name,
+                           type(err).__name__, err)
+            return False
+        logger.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
+        return True

@@ -1,11 +1,14 @@
 """The scheduler's core: job lifecycles.
 
-A submitted job is recorded PENDING, placed by the cluster backend (it stays
-PENDING, its reason saying why, while the backend has no free workers), started
-on its services (rollout first, so the engine warms while the trainer
-loads), then watched: progress comes from the trainer's status, failures
-from any service process exiting or reporting an error. At the end its
-services are torn down and the record gets its terminal phase and reason.
+A submitted job is recorded PENDING, placed by the cluster backend in
+submission order (scheduler/queue.py; it stays PENDING, its reason saying why,
+while the backend has no free workers), started on its services (rollout first,
+so the engine warms while the trainer loads), then watched: progress comes from
+the trainer's status, failures from any service process exiting or reporting an
+error, which the job's controller recovers from where it can
+(scheduler/controller.py). At the end its services are torn down and the record
+gets its terminal phase and reason. A scheduler that shuts down hands its jobs
+over to the next one; what that one does with them is scheduler/recovery.py.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
+from reflow.scheduler.queue import PlacementQueue
+from reflow.scheduler.recovery import JobRecovery
 from reflow.trainer.client import GrpcTrainerClient
 from reflow.weightsync import RankPlan
 
@@ -42,13 +47,16 @@ POLL_INTERVAL_S = 1.0
 # Polls of a job's rollout workers or trainer that may fail in a row (each after
 # the channel's retries) before the job fails: a restart is ridden out.
 MAX_POLL_FAILURES = 10
-# How often a job waiting for free workers tries again.
+# How often the job at the head of the queue tries again when no release woke it.
 QUEUE_RETRY_S = 5.0
+# How long a shutdown waits for each job's thread (a handover's stop checkpoint and
+# orderly teardown included).
+SHUTDOWN_JOIN_S = 120.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
 WORKER_NAME = re.compile(r"worker-[0-9]{1,4}")
 
 
-class Scheduler:
+class Scheduler(JobRecovery):
     def __init__(self, store: JobStore, backend, roots: PathRoots,
                  limits: OperatorLimits | None = None) -> None:
         """`backend`: LocalBackend or KubernetesBackend (prepare, place, release,
@@ -64,41 +72,10 @@ class Scheduler:
         self._dispatchers: dict[str, Dispatcher] = {}
         self._pools: dict[str, ElasticPool] = {}
         self._lock = threading.Lock()
-
-    def recover(self) -> None:
-        """Jobs that were running when a previous scheduler died lost their watcher
-        (and, locally, their processes) with it. The backend first takes back every
-        worker still assigned to them; then each RUNNING job with a committed
-        checkpoint resumes from it (trainer/checkpoint.py, the dispatcher's ledger
-        in scheduler/inflight.py), one without fails with the reason, and PENDING
-        jobs wait for workers again, oldest first."""
-        from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
-
-        # A flip a dead scheduler left half done (Kubernetes) is rolled back first.
-        recover_flips = getattr(self.backend, "recover_flips", None)
-        if recover_flips is not None:
-            recover_flips()
-        self.backend.reclaim_orphans(active_job_ids=set())
-        unfinished = sorted((r for r in self.store.all() if not r.terminal),
-                            key=lambda r: r.created_at)
-        for record in unfinished:
-            resume = False
-            if record.phase == "RUNNING":
-                try:
-                    info = check_resume_dir(self.roots.run_dir(record.run_dir))
-                except (CheckpointError, ValueError) as err:
-                    record.phase, record.finished_at = "FAILED", time.time()
-                    record.reason = f"scheduler restarted while the job ran; no resume: {err}"
-                    self.store.save(record)
-                    continue
-                resume = True
-                record.phase, record.step = "PENDING", info.step
-                record.reason = f"scheduler restarted; resuming from step {info.step}"
-                self.store.drop_metrics_after(record.job_id, info.step)
-                self._backfill_metrics(record, info.step)
-                self.store.save(record)
-            logger.info("job %s: %s", record.job_id, record.reason or "pending again")
-            self._start_thread(record, resume)
+        # PENDING jobs get workers in submission order (scheduler/queue.py).
+        self.queue = PlacementQueue()
+        # Set by a shutdown that hands the jobs over to the next scheduler.
+        self._handover = threading.Event()
 
     def submit(self, spec_json: str, job_id: str = "", run_dir: str = "") -> tuple[JobRecord, bool]:
         """Record and start a job. A given job_id makes this idempotent: the same spec
@@ -138,33 +115,10 @@ class Scheduler:
             self._start_thread(record, resume=False)
         return record, True
 
-    def _backfill_metrics(self, record: JobRecord, upto_step: int) -> int:
-        """Steps up to the checkpoint that the job store never got (trained after the
-        last poll of a scheduler that died, or a stop), from the trainer's own
-        `metrics.jsonl` in the run directory; returns the records added."""
-        import json
-
-        path = self.roots.run_dir(record.run_dir) / "metrics.jsonl"
-        if not path.is_file():
-            return 0
-        have = {int(m["step"]) for m in self.store.metrics(record.job_id, 0, 10_000)}
-        missing = []
-        for line in path.read_text().splitlines():
-            try:
-                m = json.loads(line)
-                step = int(m["step"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line
-            if step <= upto_step and step not in have:
-                missing.append(m)
-                have.add(step)
-        self.store.append_metrics(record.job_id, missing)
-        return len(missing)
-
-    def _start_thread(self, record: JobRecord, resume: bool) -> None:
+    def _start_thread(self, record: JobRecord, resume: bool,
+                      adopted: Placement | None = None) -> None:
         stop = threading.Event()
-        thread = threading.Thread(target=self._run_job,
-                                  args=(record, stop, True) if resume else (record, stop),
+        thread = threading.Thread(target=self._run_job, args=(record, stop, resume, adopted),
                                   name=f"job-{record.job_id}", daemon=True)
         self._stops[record.job_id], self._threads[record.job_id] = stop, thread
         thread.start()
@@ -175,41 +129,6 @@ class Scheduler:
             raise Conflict(f"job {record.job_id!r} exists with a different spec; submit under "
                            "a new submission_id, or resend the original spec")
         return stored, False
-
-    def resume(self, job_id: str) -> JobRecord:
-        """Continue a STOPPED or FAILED job from its newest committed checkpoint
-        (trainer/checkpoint.py): its services start again, the trainer resumes the
-        checkpoint's step, version, optimizer and RNG, and the dispatcher its prompt
-        stream and the groups that were in flight (scheduler/inflight.py).
-        FailedPrecondition when the job is active, succeeded, or has no checkpoint."""
-        from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
-
-        check_job_id(job_id)
-        record = self.store.get(job_id)
-        if record.phase not in ("STOPPED", "FAILED"):
-            raise FailedPrecondition(f"job {job_id} is {record.phase}; only a stopped or "
-                                     "failed job resumes")
-        try:
-            info = check_resume_dir(self.roots.run_dir(record.run_dir))
-        except CheckpointError as err:
-            raise FailedPrecondition(f"job {job_id} cannot resume: {err}") from None
-        with self._lock:
-            active = sum(1 for t in self._threads.values() if t.is_alive())
-            thread = self._threads.get(job_id)
-            if thread is not None and thread.is_alive():
-                raise FailedPrecondition(f"job {job_id} is still tearing down; retry")
-            if active >= self.limits.max_active_jobs:
-                raise ResourceExhausted(
-                    f"{active} jobs are pending or running, this cluster's ceiling "
-                    f"(REFLOW_MAX_ACTIVE_JOBS={self.limits.max_active_jobs}); retry when one ends")
-            record.phase, record.reason = "PENDING", f"resuming from step {info.step}"
-            record.finished_at = 0.0
-            record.step = info.step
-            self.store.drop_metrics_after(job_id, info.step)
-            self._backfill_metrics(record, info.step)
-            self.store.save(record)
-            self._start_thread(record, resume=True)
-        return record
 
     def get(self, job_id: str) -> JobRecord:
         return self.store.get(job_id)
@@ -279,11 +198,20 @@ class Scheduler:
             dispatchers = dict(self._dispatchers)
         return {job_id: d.snapshot() for job_id, d in dispatchers.items()}
 
-    def shutdown(self) -> None:
+    def shutdown(self, handover: bool = False) -> None:
+        """Stop watching every job. Without `handover` the jobs stop (STOPPED, the
+        trainer checkpointing the step it reached). With it (a scheduler's SIGTERM:
+        `helm upgrade`, a drained node) they stay RUNNING for the next scheduler
+        (scheduler/recovery.py): on a backend whose services outlive the scheduler
+        they run on untouched and are re-adopted; elsewhere each trainer checkpoints
+        the step it reached, the services go down in order, and the next scheduler
+        resumes there. PENDING jobs stay PENDING."""
+        if handover:
+            self._handover.set()
         for job_id in list(self._stops):
             self._stops[job_id].set()
         for thread in list(self._threads.values()):
-            thread.join(60)
+            thread.join(SHUTDOWN_JOIN_S)
         self.backend.close()
 
     # --- one job ---------------------------------------------------------------------
@@ -332,21 +260,28 @@ class Scheduler:
                                  min_gain=spec.scheduler.placement_min_gain)
         return PlacementPlanner(policy, total_workers)
 
-    def _run_job(self, record: JobRecord, stop: threading.Event, resume: bool = False) -> None:
-        placement: Placement | None = None
+    def _run_job(self, record: JobRecord, stop: threading.Event, resume: bool = False,
+                 adopted: Placement | None = None) -> None:
+        """One job's life: placed (or, `adopted`, found running by recover()),
+        started, watched, torn down. `resume`: the trainer starts from the run's
+        newest committed checkpoint."""
+        placement: Placement | None = adopted
         dispatcher: Dispatcher | None = None
+        keep_running = False
         run_dir = Path(record.run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             spec = JobSpec.model_validate_json(record.spec_json)
-            self.backend.prepare(spec)
-            placement = self._place_when_free(record, spec, run_dir, stop)
             if placement is None:
-                record.phase, record.reason = "STOPPED", "stopped while waiting for workers"
-                return
+                self.backend.prepare(spec)
+                placement = self._place_when_free(record, spec, run_dir, stop)
+                if placement is None:
+                    if not self._handover.is_set():
+                        record.phase, record.reason = "STOPPED", "stopped while waiting for workers"
+                    return
+                record.phase, record.reason, record.started_at = "RUNNING", "", time.time()
             with self._lock:
                 self._placements[record.job_id] = placement
-            record.phase, record.reason, record.started_at = "RUNNING", "", time.time()
             record.workers = placement.workers
             self.store.save(record)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
@@ -359,21 +294,10 @@ class Scheduler:
                 rollouts[i].start_job(record.job_id, record.spec_json, placement.replay_address,
                                       plan.first_rank(i), plan.world_size, trainer_host)
 
-            for i in range(len(rollouts)):
-                start_rollout(i)
             pool = None
-            if placement.worker_addresses:
-                pool = self._start_pool(record, spec, placement, trainer, trainer_host)
-            resume_from = ""
-            if resume:
-                from reflow.trainer.checkpoint import latest_checkpoint
-
-                checkpoint = latest_checkpoint(run_dir)
-                resume_from = checkpoint.path.name if checkpoint is not None else ""
-            trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
-                              placement.rollout_addresses, str(run_dir),
-                              trainer_peers=pool.trainer_peers if pool else [],
-                              resume_from=resume_from)
+            if adopted is None:
+                pool = self._start_services(record, spec, placement, trainer, trainer_host,
+                                            start_rollout, len(rollouts), resume)
             dispatcher = self._start_dispatcher(record, spec, placement, rollouts, run_dir,
                                                 pool.standby_engines if pool else set())
             if pool is not None:
@@ -382,11 +306,16 @@ class Scheduler:
                 record.workers = pool.by_role()
                 with self._lock:
                     self._pools[record.job_id] = pool
+            if adopted is not None:
+                dispatcher.record({"event": "job_adopted", "step": record.step,
+                                   "workers": placement.workers})
             planner = self._planner(spec, len(placement.worker_addresses)
                                     or len(rollouts) + 1)
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
                                                       dispatcher, stop, planner, pool,
                                                       start_rollout)
+            # A handover leaves the job running only where its services outlive us.
+            keep_running = record.phase == "RUNNING" and self._adoptable(pool)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
             logger.exception("job %s failed", record.job_id)
             record.phase, record.reason = "FAILED", f"{type(err).__name__}: {err}"
@@ -396,34 +325,95 @@ class Scheduler:
             if pool is not None:
                 pool.stop()
             if dispatcher is not None:
+                # Its ledger keeps what is in flight, for whoever watches the job next.
                 dispatcher.stop()
                 dispatcher.replay.close()
             if placement is not None:
                 with self._lock:
                     self._placements.pop(record.job_id, None)
                     self._dispatchers.pop(record.job_id, None)
-                self.backend.release(placement)
-            record.finished_at = time.time()
-            self.store.save_final(record)
+                if not keep_running:
+                    self.backend.release(placement)
+                    self.queue.notify()
+            self.queue.leave(record.job_id)
+            if record.phase in ("PENDING", "RUNNING"):
+                # Handed over: the next scheduler takes it up (scheduler/recovery.py).
+                self.store.save(record)
+            else:
+                record.finished_at = time.time()
+                self.store.save_final(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
+
+    def _adoptable(self, pool: ElasticPool | None) -> bool:
+        """Whether a job would run on untouched past this scheduler, to be re-adopted:
+        a fixed-role job on a backend whose services outlive it."""
+        return pool is None and getattr(self.backend, "adopt", None) is not None
+
+    def _start_services(self, record: JobRecord, spec: JobSpec, placement: Placement,
+                        trainer: GrpcTrainerClient, trainer_host: str, start_rollout,
+                        num_rollouts: int, resume: bool) -> ElasticPool | None:
+        """Start the job on its placed services: rollout first (the engine warms
+        while the trainer loads), an elastic job's warm replicas, then the trainer,
+        from the run's newest checkpoint when resuming. Returns the elastic pool."""
+        for i in range(num_rollouts):
+            start_rollout(i)
+        pool = None
+        if placement.worker_addresses:
+            pool = self._start_pool(record, spec, placement, trainer, trainer_host)
+        resume_from = ""
+        if resume:
+            from reflow.trainer.checkpoint import latest_checkpoint
+
+            checkpoint = latest_checkpoint(Path(record.run_dir))
+            resume_from = checkpoint.path.name if checkpoint is not None else ""
+        trainer.start_job(record.job_id, record.spec_json, placement.replay_address,
+                          placement.rollout_addresses, record.run_dir,
+                          trainer_peers=pool.trainer_peers if pool else [],
+                          resume_from=resume_from)
+        return pool
 
     def _place_when_free(self, record: JobRecord, spec: JobSpec, run_dir: Path,
                          stop: threading.Event) -> Placement | None:
-        """Place the job, waiting PENDING (the reason says for what) while the
-        backend has no room; None when the job is stopped before it gets any."""
-        while True:
-            try:
-                if spec.cluster.workers:
-                    roles = [spec.cluster.initial_role(i) for i in range(spec.cluster.workers)]
-                    return self.backend.place(record.job_id, run_dir, colocated=spec.colocated,
-                                              roles=roles)
-                return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
-            except NoCapacity as err:
-                if record.reason != str(err):
-                    record.reason = str(err)
-                    self.store.save(record)
-            if stop.wait(QUEUE_RETRY_S):
-                return None
+        """Place the job once it is at the head of the queue (submission order),
+        waiting PENDING (the reason says for what) while the backend has no room;
+        None when the job is stopped before it gets any."""
+        self.queue.join(record.job_id, record.created_at)
+        try:
+            while True:
+                if not self.queue.wait_turn(record.job_id, stop):
+                    return None
+                try:
+                    if spec.cluster.workers:
+                        roles = [spec.cluster.initial_role(i)
+                                 for i in range(spec.cluster.workers)]
+                        return self.backend.place(record.job_id, run_dir,
+                                                  colocated=spec.colocated, roles=roles)
+                    return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
+                except NoCapacity as err:
+                    if record.reason != str(err):
+                        record.reason = str(err)
+                        self.store.save(record)
+                if not self.queue.wait_retry(stop, QUEUE_RETRY_S):
+                    return None
+        finally:
+            self.queue.leave(record.job_id)
+
+    def _hand_over(self, record: JobRecord, trainer: GrpcTrainerClient,
+                   pool: ElasticPool | None) -> tuple[str, str]:
+        """This scheduler is shutting down and the job goes on under the next one."""
+        adoptable = self._adoptable(pool)
+        try:
+            if not adoptable:
+                # The trainer checkpoints the step it reached (TrainLoop.checkpoint_on_stop).
+                trainer.stop_job(record.job_id)
+            self._update_progress(record, trainer.status(record.job_id, since_step=record.step))
+        except Exception as err:  # noqa: BLE001 - the next scheduler takes up what there is
+            logger.warning("job %s: handover: %s: %s", record.job_id, type(err).__name__, err)
+        if adoptable:
+            return "RUNNING", (f"handed over at step {record.step}: its scheduler shut down "
+                               "and the next one re-adopts it")
+        return "RUNNING", (f"handed over at step {record.step}: its scheduler shut down; "
+                           "the next one resumes it from its checkpoint")
 
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
@@ -439,6 +429,8 @@ class Scheduler:
         trainer_polls = ConsecutiveFailures(f"job {record.job_id}: trainer", MAX_POLL_FAILURES)
         while True:
             if stop.wait(POLL_INTERVAL_S):
+                if self._handover.is_set():
+                    return self._hand_over(record, trainer, pool)
                 trainer.stop_job(record.job_id)
                 # The steps finished since the last poll still belong in the history.
                 self._update_progress(record, trainer.status(record.job_id, since_step=record.step))

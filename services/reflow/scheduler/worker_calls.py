@@ -67,3 +67,26 @@ def stop_and_wait_idle(name: str, address: str, job_id: str, rpc_timeout_s: floa
     except Exception as err:  # noqa: BLE001 - an unreachable worker is checked at placement
         logger.warning("worker %s: could not stop job %s: %s", name, job_id, err)
     return False
+
+
+def job_states(address: str, job_id: str, timeout_s: float) -> tuple[str, str]:
+    """(trainer state, rollout state) of `job_id` on the worker at `address`; a
+    service that does not answer for that job (another job's, or unreachable after
+    its client's retries) gives "": the caller takes the job as not running there."""
+    from reflow.rollout.client import GrpcRolloutClient
+    from reflow.trainer.client import GrpcTrainerClient
+
+    trainer = GrpcTrainerClient(address, deadline_s=timeout_s)
+    rollout = GrpcRolloutClient(address, deadline_s=timeout_s)
+    states = []
+    try:
+        for call in (lambda: trainer.status(job_id).state, lambda: rollout.stats(job_id).state):
+            try:
+                states.append(call())
+            except Exception as err:  # noqa: BLE001 - not answering for the job
+                logger.info("worker %s: job %s: %s", address, job_id, err)
+                states.append("")
+        return states[0], states[1]
+    finally:
+        trainer.close()
+        rollout.close()

@@ -51,13 +51,26 @@ def cluster(tmp_path_factory, redis_server, tiny_model):
     """The API server, four worker processes behind four pod IPs, a replay buffer."""
     logs = tmp_path_factory.mktemp("cluster-logs")
     port = procs.free_port()
-    workers = []
-    for i in range(NUM_WORKERS):
+
+    def start_worker(i: int) -> subprocess.Popen:
+        """The container of pod i: a `reflow serve worker` behind the pod's IP."""
         env = {**os.environ, "REFLOW_POD_IP": _ip(i), "REFLOW_PIN_CPUS": "0"}
-        workers.append(subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "reflow.cli", "serve", "worker", "--host", _ip(i),
              "--port", str(port)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-            stdout=open(logs / f"worker-{i}.log", "wb"), stderr=subprocess.STDOUT))
+            stdout=open(logs / f"worker-{i}.log", "ab"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    workers = [start_worker(i) for i in range(NUM_WORKERS)]
+
+    def kill_worker(i: int) -> None:
+        """What a node losing the pod does to its container: SIGKILL, vLLM's engine
+        process with it (it dies with its parent)."""
+        os.killpg(workers[i].pid, signal.SIGKILL)
+        workers[i].wait(30)
+
+    def restart_worker(i: int) -> None:
+        workers[i] = start_worker(i)
     replay_server, replay_port = serve_replay(ReplayStore.from_url(redis_server.url),
                                               "127.0.0.1:0")
     try:
@@ -66,7 +79,8 @@ def cluster(tmp_path_factory, redis_server, tiny_model):
         with KubeApiServer() as api:
             api.create(namespace(NAMESPACE))
             yield {"api": api, "port": port, "replay": f"127.0.0.1:{replay_port}",
-                   "logs": logs, "model": tiny_model, "redis": redis_server.url}
+                   "logs": logs, "model": tiny_model, "redis": redis_server.url,
+                   "kill_worker": kill_worker, "restart_worker": restart_worker}
     finally:
         replay_server.stop(0)
         for proc in workers:
@@ -180,24 +194,71 @@ def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
     _wait(lambda: _all_idle(api), 90, "the pods released")
 
 
-def test_a_pod_replaced_under_its_name_fails_its_job_with_a_clear_reason(cluster, scheduler):
+def _recreate(cluster, name: str) -> None:
+    """The StatefulSet controller's move after a pod is deleted: a new pod of the
+    same name (new UID, restart count 0) at the same IP, its container started."""
     api = cluster["api"]
-    scheduler.submit(_spec(cluster, "victim", 100_000), job_id="victim")
-    job = _wait(lambda: (r := scheduler.get("victim")).step >= 1 and r, 300, "the job to train")
-    name = job.workers["rollout"][0]
-    old_uid = api.get("pods", NAMESPACE, name)["metadata"]["uid"]
     ip = api.get("pods", NAMESPACE, name)["status"]["podIP"]
-    # The StatefulSet controller's move: same name, same IP, restart count 0.
     api.delete("pods", NAMESPACE, name)
     api.create(worker_pod(name, ip=ip, namespace=NAMESPACE))
-    assert api.get("pods", NAMESPACE, name)["metadata"]["uid"] != old_uid
-    job = _wait(lambda: (r := scheduler.get("victim")).terminal and r, 60, "the job to fail")
-    assert job.phase == "FAILED" and name in job.reason
-    assert "new UID" in job.reason or "deleted" in job.reason
-    # The replacement pod carries no job; its worker was stopped and is offered again.
-    _wait(lambda: _all_idle(api), 90, "the pods released")
-    free = scheduler.backend.free_workers()
-    assert len([p for p in free if scheduler.backend._worker_idle(p)]) == NUM_WORKERS
+    cluster["restart_worker"](int(name.rsplit("-", 1)[1]))
+
+
+def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job(
+        cluster, scheduler, tmp_path):
+    """The rollout pod, then the trainer pod, of a running job: its container
+    SIGKILLed and the pod deleted, then recreated by its StatefulSet. Each time the
+    job takes the pod back once its worker answers, starts the lost service on it
+    again (the trainer resuming from its newest checkpoint) and trains on. A pod
+    that never comes back fails the job, naming it."""
+    api = cluster["api"]
+    spec = parse_job_spec({
+        "name": "victim", "model": {"path": cluster["model"]},
+        "rollout": {"group_size": 4, "max_tokens": 12, "max_inflight_samples": 8,
+                    "kv_cache_gb": 0.5},
+        "trainer": {"batch_size": 8, "num_steps": 100_000, "batch_timeout_s": 240,
+                    "checkpoint_interval": 2},
+    }).model_dump_json()
+    scheduler.submit(spec, job_id="victim")
+    job = _wait(lambda: (r := scheduler.get("victim")).step >= 3 and r, 300, "the job to train")
+    pods = dict(_claimed(api))
+    for role in ("rollout", "trainer"):
+        name = job.workers[role][0]
+        before = scheduler.get("victim").step
+        old_uid = api.get("pods", NAMESPACE, name)["metadata"]["uid"]
+        cluster["kill_worker"](int(name.rsplit("-", 1)[1]))
+        _recreate(cluster, name)
+        assert api.get("pods", NAMESPACE, name)["metadata"]["uid"] != old_uid
+        _wait(lambda: (r := scheduler.get("victim")).restarts.get(name) == 1 or r.terminal,
+              300, f"the {role} pod back in the job")
+        job = scheduler.get("victim")
+        assert job.phase == "RUNNING", job.reason
+        # Claimed again for this job, in its role; no other pod changed hands.
+        assert _claimed(api) == pods
+        assert _pod_labels(api, name)[ROLE_LABEL] == role
+        _wait(lambda: scheduler.get("victim").step >= before + 2, 300, "training to go on")
+    records = scheduler.metrics("victim", 0, 10_000)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    # The trainer resumed from a checkpoint, not from step 0.
+    resumed = [r for r in records if "resumed_from_step" in r]
+    assert len(resumed) == 1 and resumed[0]["resumed_from_step"] >= 2
+    events = [json.loads(line) for line in
+              (tmp_path / "victim" / "scheduler_events.jsonl").read_text().splitlines()]
+    restarted = [e for e in events if e["event"] == "service_restarted"]
+    assert [(e["service"], e["worker"]) for e in restarted] == [
+        ("rollout", job.workers["rollout"][0]), ("trainer", job.workers["trainer"][0])]
+    # From the pod found lost to its service started on it again (a measurement).
+    print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted]}))
+
+    # A pod deleted for good (its StatefulSet scaled down) is waited for, then the
+    # job fails, naming it.
+    scheduler.backend.settings.replace_timeout_s = 5
+    name = job.workers["rollout"][0]
+    api.delete("pods", NAMESPACE, name)
+    job = _wait(lambda: (r := scheduler.get("victim")).terminal and r, 120, "the job to fail")
+    assert job.phase == "FAILED" and name in job.reason and "did not come back" in job.reason
+    api.create(worker_pod(name, ip=_ip(int(name.rsplit("-", 1)[1])), namespace=NAMESPACE))
+    _wait(lambda: _all_idle(api), 120, "the pods released")
 
 
 def _serve_scheduler(cluster, tmp_path, name: str, port: int, kubeconfig: Path):

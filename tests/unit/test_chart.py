@@ -249,3 +249,21 @@ def test_the_plain_manifests_in_k8s_are_rendered_from_the_chart():
     assert result.returncode == 0, result.stderr
     text = (REPO / "k8s" / "reflow.yaml").read_text()
     assert "kind: Secret" not in text  # secrets are referenced, never rendered
+
+
+def test_the_scheduler_reads_the_workers_run_volume_when_one_is_given():
+    """A trainer restarted on a recreated pod resumes from the checkpoints on the
+    run volume, which the scheduler must see too (JobController._restart_trainer)."""
+    def runs_volume(docs, name):
+        spec = dict(pod_specs(docs))[name]
+        return next(v for v in spec["volumes"] if v["name"] == "runs")
+
+    docs, _ = render({})
+    assert runs_volume(docs, "rl-reflow-scheduler") == {"name": "runs", "emptyDir": {}}
+    docs, _ = render({"worker": {"runs": {"existingClaim": "rl-runs"}},
+                      "scheduler": {"replaceTimeoutS": 300}})
+    for name in ("rl-reflow-scheduler", "rl-reflow-worker"):
+        assert runs_volume(docs, name)["persistentVolumeClaim"]["claimName"] == "rl-runs"
+    env = {e["name"]: e.get("value") for e in
+           dict(pod_specs(docs))["rl-reflow-scheduler"]["containers"][0]["env"]}
+    assert env["REFLOW_KUBE_REPLACE_TIMEOUT_S"] == "300"

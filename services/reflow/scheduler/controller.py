@@ -18,6 +18,12 @@ buffer, which outlives the trainer, says what was trained.
 A dead replay buffer is started again at its address: its state is all in
 Redis, so the new process is the same buffer, and its clients (rollout's puts,
 the trainer's leases, the dispatcher's grants) ride the gap out on their retries.
+
+What comes back at the same address is, locally, a new process the backend
+starts; on Kubernetes, the lost worker pod itself, once its StatefulSet has
+recreated it (or its container restarted) and its worker answers idle
+(scheduler/kube_restart.py): the pod's role in the job says which of the two
+services to start on it again.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ class JobController:
         """Service `name` is gone (`what` happened, with exit `code`): recover (and
         return) or raise PermanentError with the reason the job fails for."""
         reason = f"{name} {what} (exit code {code})"
+        service = self._service_of(name)
         try:
-            if name not in RESTARTABLE or elastic:
+            if service not in RESTARTABLE or elastic:
                 raise PermanentError(f"{reason}; a fixed-role job's {' and '.join(RESTARTABLE)} "
                                      "are restarted, nothing else yet")
             if getattr(self.backend, "restart", None) is None:
@@ -64,14 +71,28 @@ class JobController:
             if done >= self.spec.cluster.max_restarts:
                 raise PermanentError(f"{reason}; restarted {done} times already "
                                      f"(cluster.max_restarts={self.spec.cluster.max_restarts})")
-            if name == "trainer":
-                self._restart_trainer(code)
-            elif name == "rollout":
-                self._restart_rollout(code)
+            if service == "trainer":
+                self._restart_trainer(code, name)
+            elif service == "rollout":
+                self._restart_rollout(code, name)
             else:
                 self._restart_buffer(code)
         except TemporaryError as err:
             raise PermanentError(f"{reason}; recovery failed: {err}") from err
+
+    def _service_of(self, name: str) -> str:
+        """What ran as `name`: locally the service itself; on Kubernetes a worker pod,
+        whose role in the job says."""
+        pods = getattr(self.placement, "pods", None)
+        if pods and name in pods:
+            return pods[name].role
+        return name
+
+    def _address_of(self, name: str) -> str:
+        pods = getattr(self.placement, "pods", None)
+        if pods and name in pods:
+            return pods[name].address
+        return self.placement.rollout_addresses[0]
 
     def _restart_buffer(self, code: int) -> None:
         """The replay buffer keeps nothing of its own (its state is in Redis, every
@@ -87,7 +108,7 @@ class JobController:
         self._recorded({"event": "service_restarted", "service": "replay", "exit_code": code,
                         "restart_s": round(time.monotonic() - started, 3)})
 
-    def _restart_rollout(self, code: int) -> None:
+    def _restart_rollout(self, code: int, name: str = "rollout") -> None:
         """A rollout worker comes back at its address, from model.path: the
         groups it held go out again (the dispatcher's worker_lost), and the trainer,
         whose next weight update to it fails, builds a new weight-sync group once
@@ -95,17 +116,17 @@ class JobController:
         if self.dispatcher is None or self.start_rollout is None:
             raise PermanentError("rollout worker died; this job cannot start a new one")
         started = time.monotonic()
-        address = self.placement.rollout_addresses[0]
+        address = self._address_of(name)
         rerouted = self.dispatcher.worker_lost(address)
         try:
-            self.backend.restart(self.placement, "rollout")
-            self.start_rollout(0)
+            self.backend.restart(self.placement, name)
+            self.start_rollout(self.placement.rollout_addresses.index(address))
         except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
             raise TemporaryError(f"rollout worker did not come back: {type(err).__name__}: "
                                  f"{err}") from err
-        self._count_restart("rollout")
+        self._count_restart(name)
         self._recorded({"event": "service_restarted", "service": "rollout", "exit_code": code,
-                        "groups_rerouted": rerouted,
+                        "worker": name, "groups_rerouted": rerouted,
                         "restart_s": round(time.monotonic() - started, 3)})
 
     def _count_restart(self, name: str) -> None:
@@ -117,28 +138,41 @@ class JobController:
         self.events(event)
         logger.warning("job %s: %s", self.record.job_id, event)
 
-    def _restart_trainer(self, code: int) -> None:
+    def _restart_trainer(self, code: int, name: str = "trainer") -> None:
         started = time.monotonic()
         job_id = self.record.job_id
         dead_step = self.record.step
+        checkpoint = latest_checkpoint(self.run_dir)
+        interval = self.spec.trainer.checkpoint_interval
+        if (checkpoint is None and interval and dead_step >= interval
+                and not (self.run_dir / "metrics.jsonl").exists()):
+            # One was due, and not even the trainer's metrics are there: the run
+            # directory the scheduler reads is not the one the trainer wrote to.
+            # Starting over from step 0 would be silent loss.
+            raise PermanentError(
+                f"the trainer reached step {dead_step} but no committed checkpoint is under "
+                f"{self.run_dir} where the scheduler looks; on Kubernetes give the scheduler "
+                "and the workers one run volume (worker.runs.existingClaim, ReadWriteMany)")
         try:
-            self.backend.restart(self.placement, "trainer")
+            self.backend.restart(self.placement, name)
         except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
             raise TemporaryError(f"trainer did not come back: {type(err).__name__}: {err}") from err
         # The dead incarnation's leases: every lease of the job (one leader at a time).
         returned = self.replay.return_all_leases(job_id)
+        # Newer than the one looked at above if the dying trainer's last save committed.
         checkpoint = latest_checkpoint(self.run_dir)
         step = checkpoint.step if checkpoint is not None else 0
         # Steps after the checkpoint are trained again; each keeps one record.
         self.store.drop_metrics_after(job_id, step)
         self.record.step = step
-        self._count_restart("trainer")
+        self._count_restart(name)
         self.trainer.start_job(job_id, self.record.spec_json, self.placement.replay_address,
                                self.placement.rollout_addresses, str(self.run_dir),
                                resume_from=checkpoint.path.name if checkpoint else "")
         # The steps lost are counted by the resumed trainer, from the dead one's own
         # records (its first record's superseded_steps); the scheduler saw this much.
         event = {"event": "service_restarted", "service": "trainer", "exit_code": code,
+                 "worker": name,
                  "polled_step_at_death": dead_step, "resumed_step": step,
                  "leases_returned": returned,
                  "checkpoint": checkpoint.path.name if checkpoint else "",

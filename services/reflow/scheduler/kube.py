@@ -14,7 +14,8 @@ Correct under concurrency and faults:
 - every API call has a timeout and bounded retries (kubeapi.KubeCaller);
   transient errors are counted, not fatal;
 - pods are tracked by UID from a watch with periodic resync (kubeapi.PodWatch):
-  a job fails only when one of its pods is really gone, restarted or replaced;
+  a pod counts as lost only when it is really gone, restarted or replaced, and
+  the job then waits for it to come back under its name (scheduler/kube_restart.py);
 - releasing a job stops it on every worker and waits for the workers to report
   idle before the labels go back to `idle`; a worker is checked idle again before
   it is offered to another job;
@@ -448,6 +449,17 @@ class KubernetesBackend:
     def _stop_and_wait_idle(self, name: str, address: str, job_id: str) -> bool:
         return stop_and_wait_idle(name, address, job_id, self.settings.worker_rpc_timeout_s,
                                   self.settings.stop_timeout_s)
+
+    def restart(self, placement: KubePlacement, name: str) -> None:
+        """Take pod `name` of the job back once it is there again under its name
+        (the StatefulSet recreates a deleted pod, the kubelet restarts a container),
+        ready, with an idle worker at the address the job knows: labelled with the
+        job and its role again, and claimed anew (its UID and restart count). Its
+        services are then started by the job's controller. TimeoutError after
+        `replace_timeout_s`; PodAddressChanged when it came back elsewhere."""
+        from reflow.scheduler.kube_restart import wait_and_reclaim
+
+        wait_and_reclaim(self, placement, name)
 
     def adopt(self, job_id: str) -> KubePlacement | None:
         """The running job's placement from its pods, for a new scheduler

@@ -35,6 +35,11 @@ class KubeSettings(BaseModel):
                                         description="Deadline of a worker status call.")
     stop_timeout_s: float = Field(default=90.0, gt=0,
                                   description="How long a released worker may take to go idle.")
+    replace_timeout_s: float = Field(default=900.0, gt=0, le=86400,
+                                     description="REFLOW_KUBE_REPLACE_TIMEOUT_S: how long a "
+                                     "job waits for a lost worker pod to come back under its "
+                                     "name (recreated, image pulled, model loaded) before it "
+                                     "fails.")
     claim_attempts: int = Field(default=5, ge=1, le=100,
                                 description="Placements retried after a lost race, then the "
                                 "job waits PENDING and tries again.")
@@ -50,7 +55,8 @@ class KubeSettings(BaseModel):
         for key, name in (("worker_port", "REFLOW_WORKER_PORT"),
                           ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
                           ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
-                          ("resync_s", "REFLOW_KUBE_RESYNC_S")):
+                          ("resync_s", "REFLOW_KUBE_RESYNC_S"),
+                          ("replace_timeout_s", "REFLOW_KUBE_REPLACE_TIMEOUT_S")):
             if name in env:
                 values[key] = env[name]
         return cls(**values)

@@ -1,0 +1,88 @@
+"""Taking a lost worker pod back into its job (KubernetesBackend.restart).
+
+A job's pod is lost when it is deleted, replaced under its name or restarted
+(KubernetesBackend.lost_pods). The StatefulSet owns the pods, so the backend
+does not make a new one: it waits for the pod to be there again under its
+name, ready, with a worker that answers idle (a fresh process serves nothing),
+and claims it for the job again with the same preconditioned label patch as a
+placement. What runs on it is then started again by the job's controller
+(scheduler/controller.py): a trainer resumes from the run's newest committed
+checkpoint, a rollout worker's groups go out again.
+
+Workers are addressed as the job first knew them: a pod that comes back at
+another address (a new pod IP) is not taken back (PodAddressChanged) and the
+job fails, saying so; the trainer and the dispatcher would need the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from reflow import rpc
+from reflow.scheduler.kube import (JOB_LABEL, ROLE_LABEL, KubePlacement, PodClaim, _conflict,
+                                   _ready, _restarts)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0
+
+
+class PodAddressChanged(RuntimeError):
+    """The pod came back under its name at an address the job does not know."""
+
+
+def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
+    s = backend.settings
+    claim = placement.pods[name]
+    deadline = time.monotonic() + s.replace_timeout_s
+    last = "not there"
+    while True:
+        # The watch's view, which lost_pods reads too: once it shows the pod back,
+        # the next check of the job finds nothing lost.
+        pod = backend.pod_watch.get(name)
+        if pod is None:
+            last = "not there"
+        elif pod.metadata.uid == claim.uid and _restarts(pod) == claim.restarts:
+            last = "the lost pod itself, not yet gone"
+        elif not _ready(pod):
+            last = "not ready"
+        elif not backend._worker_idle(pod):
+            last = "its worker does not answer idle"
+        else:
+            address = f"{pod.status.pod_ip}:{s.worker_port}"
+            if address != claim.address:
+                raise PodAddressChanged(
+                    f"pod {name} came back at {address}, not at {claim.address} where job "
+                    f"{placement.job_id} knew it")
+            if _reclaim(backend, placement, name, claim, pod, address):
+                rpc.wait_healthy(address, s.health_timeout_s)
+                logger.info("job %s: pod %s is back (%s, %s)", placement.job_id, name,
+                            claim.role, address)
+                return
+            last = "its labels changed under the claim (409)"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pod {name} did not come back within {s.replace_timeout_s:.0f}s "
+                               f"(REFLOW_KUBE_REPLACE_TIMEOUT_S): {last}")
+        time.sleep(POLL_S)
+
+
+def _reclaim(backend, placement: KubePlacement, name: str, claim: PodClaim, pod,
+             address: str) -> bool:
+    """Label the pod with the job and its role (unless it carries them: a container
+    restarted in place keeps its labels) and record the new claim; False on a
+    conflict (read again and retried by the caller)."""
+    labels = pod.metadata.labels or {}
+    job = labels.get(JOB_LABEL)
+    if job not in (None, "", placement.job_id):
+        raise RuntimeError(f"pod {name} came back carrying job {job}")
+    if job != placement.job_id or labels.get(ROLE_LABEL) != claim.role:
+        try:
+            backend._patch_labels(name, claim.role, placement.job_id,
+                                  pod.metadata.resource_version)
+        except Exception as err:
+            if _conflict(err):
+                return False
+            raise
+    placement.pods[name] = PodClaim(claim.role, pod.metadata.uid, _restarts(pod), address)
+    return True

@@ -28,6 +28,7 @@ this module does not implement. Pipeline-parallel engines are not handled either
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections import Counter
@@ -163,6 +164,25 @@ class SyncGroup:
     group: dist.ProcessGroup
     store: dist.Store
 
+    def abort(self) -> None:
+        """Close the group's connections now, so that every peer still blocked in one
+        of its collectives (a survivor receiving a broadcast its sender gave up on)
+        fails at once instead of after the group's timeout. Gloo closes its pairs
+        only when the group is destroyed (its abort() leaves a peer's receive
+        waiting: measured), so the group is released here and collected; a
+        reference left elsewhere (a traceback's frame) keeps the SyncGroup, not the
+        process group. Unusable afterwards."""
+        group, self.group = self.group, None
+        self.store = None
+        if group is None:
+            return
+        try:
+            group.abort()  # NCCL: aborts the communicator
+        except Exception as err:  # noqa: BLE001 - gloo's may refuse; destroying it is what counts
+            logger.debug("weight-sync group abort: %s: %s", type(err).__name__, err)
+        del group
+        gc.collect()
+
 
 def make_group(
     master_address: str,
@@ -283,13 +303,30 @@ def worker_receive_weights(self) -> float:
         raise RuntimeError("weight sync used before worker_init_weight_sync")
     start = time.perf_counter()
     model = self.model_runner.get_model()
-    device = next(model.parameters()).device
+    device = getattr(self.model_runner, "device", None) or next(model.parameters()).device
     if "not_loaded" not in state:
         state["not_loaded"] = layers_without_weights(model, {s.name for s in state["specs"]})
-    weights = receive_weights(state["group"], state["specs"], state["bucket_bytes"], device)
+    failed: list[BaseException] = []
+
+    def received():
+        # A broadcast cut off part-way (its sender died, or gave up on another
+        # engine) ends the iterator instead of raising into the reload: vLLM's
+        # layerwise reload moves each layer to the meta device until its tensors
+        # arrive and restores it only when the load finishes, so an exception out
+        # of the iterator would leave layers on meta and every later reload broken.
+        # The layers the cut-off version did not reach keep their weights; the
+        # engine stays paused (rollout/weights.py) until a whole version arrives.
+        try:
+            yield from receive_weights(state["group"], state["specs"], state["bucket_bytes"],
+                                       device)
+        except Exception as err:  # noqa: BLE001 - raised after the reload finishes
+            failed.append(err)
+
     # reload_weights consumes the iterator, so buckets are received as it loads.
     with expected_reload_warnings_dropped(state["not_loaded"]):
-        self.model_runner.reload_weights(weights_iterator=weights)
+        self.model_runner.reload_weights(weights_iterator=received())
+    if failed:
+        raise failed[0]
     _refresh_tied_lm_head(model, state["specs"])
     return time.perf_counter() - start
 

@@ -101,10 +101,11 @@ def pods(cluster):
 
 
 def _settings(cluster, **overrides) -> KubeSettings:
+    settings = {"max_rollout_workers": 1, "health_timeout_s": 60, "request_timeout_s": 2,
+                "resync_s": 5, **overrides}
     return KubeSettings(namespace=NAMESPACE, worker_selector=SELECTOR,
                         worker_port=cluster["port"], replay_address=cluster["replay"],
-                        max_rollout_workers=1, health_timeout_s=60, request_timeout_s=2,
-                        resync_s=5, **overrides)
+                        **settings)
 
 
 @pytest.fixture
@@ -205,12 +206,24 @@ def _recreate(cluster, name: str) -> None:
 
 
 def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job(
-        cluster, scheduler, tmp_path):
-    """The rollout pod, then the trainer pod, of a running job: its container
-    SIGKILLed and the pod deleted, then recreated by its StatefulSet. Each time the
-    job takes the pod back once its worker answers, starts the lost service on it
-    again (the trainer resuming from its newest checkpoint) and trains on. A pod
-    that never comes back fails the job, naming it."""
+        cluster, pods, redis_client, tmp_path):
+    """A job on a trainer pod and two rollout pods. One rollout pod, then the
+    trainer pod: its container SIGKILLed and the pod deleted, then recreated by its
+    StatefulSet. Each time the job takes the pod back once its worker answers,
+    starts the lost service on it again (the trainer resuming from its newest
+    checkpoint), the surviving rollout worker re-joins the new weight-sync group,
+    and the job trains on. A pod that never comes back fails the job, naming it."""
+    api = cluster["api"]
+    backend = KubernetesBackend(_settings(cluster, max_rollout_workers=2), api.client())
+    scheduler = Scheduler(JobStore(redis.Redis.from_url(cluster["redis"])), backend,
+                          PathRoots(tmp_path, Path(cluster["model"]).parent))
+    try:
+        _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path)
+    finally:
+        scheduler.shutdown()
+
+
+def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
     api = cluster["api"]
     spec = parse_job_spec({
         "name": "victim", "model": {"path": cluster["model"]},
@@ -221,10 +234,13 @@ def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job
     }).model_dump_json()
     scheduler.submit(spec, job_id="victim")
     job = _wait(lambda: (r := scheduler.get("victim")).step >= 3 and r, 300, "the job to train")
+    assert len(job.workers["rollout"]) == 2 and len(job.workers["trainer"]) == 1
     pods = dict(_claimed(api))
+    version_at_kill = {}
     for role in ("rollout", "trainer"):
         name = job.workers[role][0]
         before = scheduler.get("victim").step
+        version_at_kill[role] = scheduler.get("victim").policy_version
         old_uid = api.get("pods", NAMESPACE, name)["metadata"]["uid"]
         cluster["kill_worker"](int(name.rsplit("-", 1)[1]))
         _recreate(cluster, name)
@@ -249,6 +265,18 @@ def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job
         ("rollout", job.workers["rollout"][0]), ("trainer", job.workers["trainer"][0])]
     # From the pod found lost to its service started on it again (a measurement).
     print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted]}))
+
+    # Both engines hold weights the restarted trainer published: the surviving one
+    # re-joined its new weight-sync group.
+    from reflow.rollout.client import GrpcRolloutClient
+
+    versions = []
+    for name in job.workers["rollout"]:
+        ip = api.get("pods", NAMESPACE, name)["status"]["podIP"]
+        client = GrpcRolloutClient(f"{ip}:{cluster['port']}")
+        versions.append(client.stats("victim").policy_version)
+        client.close()
+    assert min(versions) > version_at_kill["trainer"], (versions, version_at_kill)
 
     # A pod deleted for good (its StatefulSet scaled down) is waited for, then the
     # job fails, naming it.

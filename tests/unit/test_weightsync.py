@@ -60,3 +60,31 @@ def test_a_peer_that_never_joins_the_broadcast_is_an_error_after_the_timeout():
     finally:
         release.set()
         thread.join(30)
+
+
+def test_an_aborted_group_fails_a_peer_s_pending_receive_at_once():
+    # The sender gave up on a broadcast (another engine died): a surviving peer
+    # still waiting to receive must be free to join the next group now, not after
+    # the group's timeout (600 s by default; 120 s here, far above what is waited).
+    port = free_port()
+    outcome = {}
+
+    def survivor():
+        group = make_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=120)
+        try:
+            list(receive_weights(group, specs_of([("w", torch.ones(4))]), 64,
+                                 torch.device("cpu")))
+            outcome["error"] = None
+        except RuntimeError as err:
+            outcome["error"] = str(err)
+
+    thread = threading.Thread(target=survivor)
+    thread.start()
+    group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
+    keep = group  # a reference left elsewhere (a traceback's frame) does not hold it open
+    time.sleep(0.5)
+    keep.abort()
+    thread.join(60)
+    assert not thread.is_alive(), "the survivor is still blocked in the receive"
+    assert outcome["error"] and "closed" in outcome["error"].lower()
+    assert group.group is None

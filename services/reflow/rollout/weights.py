@@ -116,14 +116,19 @@ class WeightSyncMixin:
                     raise FailedPrecondition(f"policy_version: {policy_version} while the "
                                              f"update to {version} is in progress")
             elif not next_ok:
+                # After a join the trainer's broadcast is on the new group: a version
+                # received on the old one is no retry of it, and answering as if it
+                # were would leave the new broadcast waiting for this engine.
                 if (policy_version == current and self._update is not None
-                        and self._update[0] == current):
+                        and self._update[0] == current and not self._rejoined):
                     future = self._update[1]  # a retry of the update just done
                 else:
-                    raise FailedPrecondition(f"policy_version: {policy_version} is not the "
-                                             f"next version ({current + 1})"
-                                             + ("" if not resync else "; a resync comes first "
-                                                "after a join"))
+                    raise FailedPrecondition(
+                        f"policy_version: {policy_version} is not the next version "
+                        f"({current + 1})"
+                        + ("; a resync comes first after a join" if resync and not self._rejoined
+                           else f"; a resync must be above the version held (v{current})"
+                           if resync else ""))
             else:
                 self._rejoined = False
                 future = asyncio.run_coroutine_threadsafe(

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import PermanentError, TemporaryError
+from reflow.scheduler.recovery import backfill_metrics
 from reflow.trainer.checkpoint import latest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -162,8 +163,11 @@ class JobController:
         # Newer than the one looked at above if the dying trainer's last save committed.
         checkpoint = latest_checkpoint(self.run_dir)
         step = checkpoint.step if checkpoint is not None else 0
-        # Steps after the checkpoint are trained again; each keeps one record.
+        # Steps after the checkpoint are trained again; each keeps one record. Steps
+        # up to it that the dead trainer recorded after the last poll come from its
+        # metrics.jsonl, or the curve would skip them.
         self.store.drop_metrics_after(job_id, step)
+        backfill_metrics(self.store, job_id, self.run_dir, step)
         self.record.step = step
         self._count_restart(name)
         self.trainer.start_job(job_id, self.record.spec_json, self.placement.replay_address,

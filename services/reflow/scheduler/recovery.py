@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 from reflow.core.config import JobSpec, check_job_id
 from reflow.core.errors import FailedPrecondition, ResourceExhausted
@@ -106,25 +107,8 @@ class JobRecovery:
         return adopted
 
     def _backfill_metrics(self, record: JobRecord, upto_step: int) -> int:
-        """Steps up to the checkpoint that the job store never got (trained after the
-        last poll of a scheduler that died, or a stop), from the trainer's own
-        `metrics.jsonl` in the run directory; returns the records added."""
-        path = self.roots.run_dir(record.run_dir) / "metrics.jsonl"
-        if not path.is_file():
-            return 0
-        have = {int(m["step"]) for m in self.store.metrics(record.job_id, 0, 10_000)}
-        missing = []
-        for line in path.read_text().splitlines():
-            try:
-                m = json.loads(line)
-                step = int(m["step"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line
-            if step <= upto_step and step not in have:
-                missing.append(m)
-                have.add(step)
-        self.store.append_metrics(record.job_id, missing)
-        return len(missing)
+        return backfill_metrics(self.store, record.job_id,
+                                self.roots.run_dir(record.run_dir), upto_step)
 
     def resume(self, job_id: str) -> JobRecord:
         """Continue a STOPPED or FAILED job from its newest committed checkpoint
@@ -158,3 +142,26 @@ class JobRecovery:
             self.store.save(record)
             self._start_thread(record, resume=True)
         return record
+
+
+def backfill_metrics(store, job_id: str, run_dir: Path, upto_step: int) -> int:
+    """Steps up to a checkpoint that the job store never got (trained after the last
+    poll of a scheduler that died, or of a trainer that died after its checkpoint),
+    from the trainer's own `metrics.jsonl` in the run directory; returns the
+    records added."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    have = {int(m["step"]) for m in store.metrics(job_id, 0, 10_000)}
+    missing = []
+    for line in path.read_text().splitlines():
+        try:
+            m = json.loads(line)
+            step = int(m["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line
+        if step <= upto_step and step not in have:
+            missing.append(m)
+            have.add(step)
+    store.append_metrics(job_id, sorted(missing, key=lambda m: int(m["step"])))
+    return len(missing)

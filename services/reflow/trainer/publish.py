@@ -139,9 +139,18 @@ class WeightPublisher:
         logger.warning("job %s: %s; rebuilding weight sync", self.job_id, reason)
         started = time.monotonic()
         self.weight_sync_rebuilds += 1
+        # First: a surviving engine still blocked receiving the broadcast that failed
+        # fails now, and is free to join the new group.
+        if self._sync_group is not None:
+            self._sync_group.abort()
+            self._sync_group = None
         self._wait_engines_running()
-        self._sync_group = None  # its sockets close: survivors' receives fail and end
         self.init_weight_sync()
+        # The failed publish may have reached some engines: the resync goes above
+        # every version any of them (or the buffer) holds, so that versions rise.
+        self.policy_version = max([self.policy_version,
+                                   self.replay.stats(self.job_id).policy_version]
+                                  + [c.stats(self.job_id).policy_version for c in self.rollouts])
         _, wait_s = self._publish(resync=True)
         logger.info("job %s: weight sync rebuilt, v%d published in %.1fs", self.job_id,
                     self.policy_version, time.monotonic() - started)

@@ -27,7 +27,7 @@ class RecordOnlyScheduler(Scheduler):
     """The real scheduler, except that a submitted job is failed at once instead
     of placed on services."""
 
-    def _run_job(self, record, stop) -> None:
+    def _run_job(self, record, stop, resume=False, adopted=None) -> None:
         record.phase, record.reason, record.finished_at = "FAILED", "not executed in API tests", time.time()
         self.store.save(record)
 

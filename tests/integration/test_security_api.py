@@ -28,9 +28,9 @@ LIMITS = OperatorLimits(max_batch_size=256, max_response_tokens=1024, max_inflig
 class HoldingScheduler(RecordOnlyScheduler):
     """Jobs stay active (pending) until stopped."""
 
-    def _run_job(self, record, stop) -> None:
+    def _run_job(self, record, stop, resume=False, adopted=None) -> None:
         stop.wait(60)
-        super()._run_job(record, stop)
+        super()._run_job(record, stop, resume, adopted)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import redis as redis_lib
 import yaml
 
 from reflow.core.config import parse_job_spec
+from tests.waiting import wait_until
 from reflow.procs import free_port
 from reflow.replay.embedded import EmbeddedRedis
 from reflow.scheduler.client import GrpcSchedulerClient
@@ -42,13 +43,7 @@ def _scheduler(port: int, env: dict, log: Path) -> subprocess.Popen:
 
 
 def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(predicate, timeout_s, what, poll_s=0.2)
 
 
 def _job(client, job_id):

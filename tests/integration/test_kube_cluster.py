@@ -25,6 +25,7 @@ import redis
 
 from reflow import procs, rpc
 from reflow.core.config import parse_job_spec
+from tests.waiting import wait_until
 from reflow.core.paths import PathRoots
 from reflow.replay.server import serve as serve_replay
 from reflow.replay.store import ReplayStore
@@ -127,13 +128,7 @@ def _spec(cluster, name: str, steps: int) -> str:
 
 
 def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    return wait_until(predicate, timeout_s, what, poll_s=0.5)
 
 
 def _pod_labels(api, name: str) -> dict:

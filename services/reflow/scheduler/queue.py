@@ -40,14 +40,6 @@ class PlacementQueue:
             self._order = [entry for entry in self._order if entry[2] != job_id]
             self._cond.notify_all()
 
-    def position(self, job_id: str) -> int:
-        """0 at the head; -1 when not queued."""
-        with self._cond:
-            for i, (_, _, j) in enumerate(self._order):
-                if j == job_id:
-                    return i
-            return -1
-
     def waiting(self) -> list[str]:
         with self._cond:
             return [j for _, _, j in self._order]

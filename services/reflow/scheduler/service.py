@@ -335,7 +335,6 @@ class Scheduler(JobRecovery):
                 if not keep_running:
                     self.backend.release(placement)
                     self.queue.notify()
-            self.queue.leave(record.job_id)
             if record.phase in ("PENDING", "RUNNING"):
                 # Handed over: the next scheduler takes it up (scheduler/recovery.py).
                 self.store.save(record)

@@ -77,6 +77,7 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "StartJob": "a start of the job the worker already runs is a no-op",
         "StopJob": "stopping a stopped job does nothing more",
         "UpdateWeights": "a call for the version being (or just) loaded joins that update",
+        "SetSyncPlace": "the place the worker has already is accepted again",
         "GetStats": "a read",
         "SubmitGroup": "keyed by group id: a group submitted again is refused, not "
                        "generated twice",
@@ -86,7 +87,8 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "StartJob": "a start of the job the trainer already runs (or serves) is a no-op",
         "StopJob": "stopping a stopped job does nothing more",
         "GetStatus": "a read",
-        "Reconfigure": "the same replicas again take the same next epoch",
+        "Reconfigure": "the same replicas again take the same next epoch; engines "
+                       "already retired are retired again to no effect",
     },
     "reflow.v1.Scheduler": {
         "GetJob": "a read",

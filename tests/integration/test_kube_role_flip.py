@@ -349,3 +349,22 @@ def test_a_flip_of_a_pod_that_is_not_the_jobs_is_refused(api, backend, tmp_path)
     meta = _meta(api, "rl-worker-5")
     assert meta["labels"][ROLE_LABEL] == "rollout" and not meta.get("annotations")
     assert job_b.workers["rollout"] == ["rl-worker-4", "rl-worker-5"]
+
+
+def test_a_lost_pod_of_an_elastic_job_leaves_its_placement_and_is_idle_again(
+        api, backend, worker_port, tmp_path):
+    """The job goes on without it (scheduler/elastic.py worker_lost): the pod is no
+    longer the job's, watched for loss or released with it, and a pod that kept its
+    labels (its container restarted) is free for the next job."""
+    _pods(api)
+    scheduler = backend()
+    placement = scheduler.place("job-a", tmp_path)
+    scheduler.retire(placement, "rl-worker-2")
+    assert placement.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
+    assert "rl-worker-2" not in placement.pods
+    labels = _meta(api, "rl-worker-2")["labels"]
+    assert labels[ROLE_LABEL] == "idle" and JOB_LABEL not in labels
+    assert _meta(api, "rl-worker-1")["labels"][JOB_LABEL] == "job-a"
+    scheduler.retire(placement, "rl-worker-2")  # reported twice: nothing more happens
+    scheduler.release(placement)
+    assert all(_meta(api, f"rl-worker-{i}")["labels"][ROLE_LABEL] == "idle" for i in range(3))

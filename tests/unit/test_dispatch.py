@@ -71,6 +71,9 @@ class OneWorker:
     def wait_events(self, job_id, since_seq, wait_s):
         return self.worker.wait_events(since_seq, wait_s)
 
+    def set_sync_place(self, job_id, rank, world_size):
+        self.worker.set_sync_place(rank, world_size)
+
     def stats(self, job_id):
         c = self.worker.counters
         return RolloutStats(c.generated_tokens_total, c.finished_samples_total, 0.0,

@@ -44,9 +44,12 @@ class Leader:
     def __init__(self) -> None:
         self.epoch, self.peers, self.pending, self.polls = 0, [], None, 0
         self.history: list[list[str]] = []
+        self.engines: list[list[str]] = []
 
-    def reconfigure(self, job_id, peers):
+    def reconfigure(self, job_id, peers, rollout_addresses=None):
         self.pending, self.polls = list(peers), 0
+        if rollout_addresses:
+            self.engines.append(list(rollout_addresses))
         return self.epoch + 1
 
     def status(self, job_id, since_step=-1):
@@ -84,7 +87,8 @@ def pool_job(request):
         engines[f"w{i}"] = StaggeredEngine(0.02)
         worker = RolloutWorker("j", spec, lambda e=engines[f"w{i}"]: e,
                                RepeatTask(8, 3, context=TaskContext(seed=i)), budget,
-                               encode=lambda text: [1, 2], decode=lambda ids: "a")
+                               encode=lambda text: [1, 2], decode=lambda ids: "a",
+                               weight_sync=(i, 3, "127.0.0.1"))
         worker.start()
         clients[f"w{i}"] = OneWorker(worker)
         hybrids[i] = HybridWorker(EngineSide(worker), trainer=None)
@@ -168,6 +172,55 @@ def test_requests_that_would_break_the_pool_are_refused(pool_job):
     pool.request(1, "trainer")
     with pytest.raises(FailedPrecondition, match="without a rollout worker"):
         pool.request(2, "trainer")
+
+
+def test_a_lost_worker_leaves_the_pool_and_its_groups_go_to_the_others(pool_job):
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
+    _wait(lambda: len(clients["w1"].prompts) >= 3 and dispatcher.inflight("w1") > 0)
+    held = dispatcher.inflight("w1")
+    event = pool.worker_lost("worker-1", "worker-1 exited (exit code -9)")
+    assert event["event"] == "worker_left_pool" and event["role"] == "rollout"
+    assert event["groups_rerouted"] >= 1 and held > 0
+    # The survivor's engine takes rank 1 of a two-rank weight-sync group, and the
+    # leader is told which engines remain, after that.
+    assert (sources["w2"].sync_rank, sources["w2"].sync_world_size) == (1, 2)
+    assert leader.engines == [["w2"]]
+    assert pool.by_role() == {"trainer": ["worker-0"], "rollout": ["worker-2"],
+                              "lost": ["worker-1"]}
+    assert pool.lost_addresses == {"w1"}
+    # Never routed to again; the groups it held went to w2, once each.
+    sent_w1 = len(clients["w1"].prompts)
+    before_w2 = len(clients["w2"].prompts)
+    _wait(lambda: len(clients["w2"].prompts) > before_w2 + 3)
+    assert len(clients["w1"].prompts) == sent_w1
+    assert dispatcher.recovered_groups == event["groups_rerouted"]
+    # A second report of the same loss changes nothing; the last rollout worker and
+    # the leader cannot be lost with the job going on, nor can a lost worker flip.
+    assert pool.worker_lost("worker-1", "again") is None
+    with pytest.raises(FailedPrecondition, match="last rollout worker"):
+        pool.worker_lost("worker-2", "exited")
+    with pytest.raises(FailedPrecondition, match="trainer rank 0"):
+        pool.worker_lost("worker-0", "exited")
+    with pytest.raises(FailedPrecondition, match="was lost"):
+        pool.request(1, "trainer")
+    assert pool.by_role()["rollout"] == ["worker-2"]
+
+
+def test_a_rollout_worker_s_sync_place_only_shrinks():
+    spec = _spec(workers=3, trainer_workers=1)
+    worker = RolloutWorker("j", spec, lambda: StaggeredEngine(0.02),
+                           RepeatTask(8, 3, context=TaskContext(seed=1)), Budget(),
+                           encode=lambda text: [1, 2], decode=lambda ids: "a",
+                           weight_sync=(2, 3, "127.0.0.1"))
+    worker.set_sync_place(2, 3)  # a retry of the place it has
+    with pytest.raises(ValueError, match="not a shrink"):
+        worker.set_sync_place(2, 4)
+    with pytest.raises(ValueError, match="rank: 0"):
+        worker.set_sync_place(0, 2)
+    with pytest.raises(ValueError, match="rank: 2 .* does not fit"):
+        worker.set_sync_place(2, 2)
+    worker.set_sync_place(1, 2)
+    assert (worker.sync_rank, worker.sync_world_size) == (1, 2)
 
 
 def test_cluster_spec_is_validated():

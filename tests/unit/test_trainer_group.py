@@ -11,6 +11,7 @@ import torch
 
 from reflow.core.config import parse_job_spec
 from reflow.core.types import Batch
+from reflow.trainer.client import TrainerStatus
 from reflow.trainer.dp import shard_indices
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.replica import TrainerReplica
@@ -38,6 +39,12 @@ class _ReplicaClient:
 
     def join_group(self, job_id, port, rank, world, epoch):
         self.replica.join(port, rank, world, epoch)
+
+    def status(self, job_id):
+        return TrainerStatus(job_id, self.replica.state, self.replica.step, 0)
+
+    def close(self):
+        pass
 
 
 def _spec(tiny_model):

@@ -51,6 +51,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             rpc.abort_on(context, err)
         return common_pb2.Ack(ok=True)
 
+    def SetSyncPlace(self, request, context):
+        try:
+            self.service.set_sync_place(request.job_id, request.rank, request.world_size)
+        except Exception as err:  # noqa: BLE001
+            rpc.abort_on(context, err)
+        return common_pb2.Ack(ok=True)
+
     def UpdateWeights(self, request, context):
         try:
             update = self.service.update_weights(

@@ -42,6 +42,29 @@ class WeightSyncMixin:
         if label is not None:
             await label(policy_version)
 
+    def set_sync_place(self, rank: int, world_size: int) -> None:
+        """This worker's place in the job's weight-sync group from now on (paper
+        §4.1 step 4's rank plan over the engines still in the job): another
+        worker of the job was lost and the group shrinks. The group set up now
+        keeps its ranks; the trainer's next one, which it builds once its publish
+        to the lost engine failed, is checked against this place. Only ever a
+        smaller group: no engine joins a running job's group this way."""
+        tp = self.spec.rollout.tensor_parallel_size
+        with self._sync_lock:
+            if (rank, world_size) == (self.sync_rank, self.sync_world_size):
+                return  # a retry
+            if not 1 <= rank <= world_size - tp:
+                raise ValueError(f"rank: {rank} with tensor_parallel_size {tp} does not fit in "
+                                 f"world_size {world_size}; need 1 <= rank and rank + "
+                                 "tensor_parallel_size <= world_size")
+            if world_size >= self.sync_world_size or rank > self.sync_rank:
+                raise ValueError(f"rank/world_size: {rank}/{world_size} is not a shrink of this "
+                                 f"worker's place {self.sync_rank}/{self.sync_world_size}; a "
+                                 "group only loses engines while a job runs")
+            logger.warning("job %s: weight-sync place %d/%d -> %d/%d (a worker was lost)",
+                           self.job_id, self.sync_rank, self.sync_world_size, rank, world_size)
+            self.sync_rank, self.sync_world_size = rank, world_size
+
     def init_weight_sync(self, spec: WeightSyncSpec, timeout_s: float = 600.0) -> None:
         """Join the job's weight-sync group. Refused unless `spec` names this
         worker's place in the group; a second join of the same group is refused, a

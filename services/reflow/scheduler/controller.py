@@ -19,6 +19,11 @@ A dead replay buffer is started again at its address: its state is all in
 Redis, so the new process is the same buffer, and its clients (rollout's puts,
 the trainer's leases, the dispatcher's grants) ride the gap out on their retries.
 
+An elastic job's worker that dies (other than the leader's) is not brought
+back: the pool goes on without it (scheduler/elastic.py worker_lost), down to
+one rollout worker; the leader's own worker dying fails the job, which a resume
+continues from its last checkpoint.
+
 What comes back at the same address is, locally, a new process the backend
 starts; on Kubernetes, the lost worker pod itself, once its StatefulSet has
 recreated it (or its container restarted) and its worker answers idle
@@ -33,7 +38,7 @@ import time
 from pathlib import Path
 
 from reflow.core.config import JobSpec
-from reflow.core.errors import PermanentError, TemporaryError
+from reflow.core.errors import FailedPrecondition, PermanentError, TemporaryError
 from reflow.scheduler.recovery import backfill_metrics
 from reflow.trainer.checkpoint import latest_checkpoint
 
@@ -45,16 +50,19 @@ RESTARTABLE = ("trainer", "replay", "rollout")
 
 class JobController:
     def __init__(self, record, spec: JobSpec, store, backend, placement, replay, trainer,
-                 run_dir: Path, events=None, dispatcher=None, start_rollout=None) -> None:
+                 run_dir: Path, events=None, dispatcher=None, start_rollout=None,
+                 pool=None) -> None:
         """`record`/`store`: the job's record and the job store; `replay`,
         `trainer`: clients of the job's buffer and trainer; `events(dict)`: the
         job's scheduling-event log (the dispatcher's); `dispatcher`: the job's
-        dispatcher; `start_rollout(i)`: starts the job on rollout worker i."""
+        dispatcher; `start_rollout(i)`: starts the job on rollout worker i;
+        `pool`: an elastic job's ElasticPool."""
         self.record, self.spec, self.store = record, spec, store
         self.backend, self.placement = backend, placement
         self.replay, self.trainer, self.run_dir = replay, trainer, run_dir
         self.events = events or (lambda event: None)
         self.dispatcher, self.start_rollout = dispatcher, start_rollout
+        self.pool = pool
         self.recoveries: list[dict] = []
 
     def on_exit(self, name: str, code: int, what: str, elastic: bool) -> None:
@@ -62,6 +70,9 @@ class JobController:
         return) or raise PermanentError with the reason the job fails for."""
         reason = f"{name} {what} (exit code {code})"
         service = self._service_of(name)
+        if elastic and self.pool is not None and name in self.pool.names:
+            self._drop_worker(name, reason)
+            return
         try:
             if service not in RESTARTABLE or elastic:
                 raise PermanentError(f"{reason}; a fixed-role job's {' and '.join(RESTARTABLE)} "
@@ -80,6 +91,29 @@ class JobController:
                 self._restart_buffer(code)
         except TemporaryError as err:
             raise PermanentError(f"{reason}; recovery failed: {err}") from err
+
+    def _drop_worker(self, name: str, reason: str) -> None:
+        """An elastic job's worker died: the job goes on without it (its groups in
+        flight go out again, the leader leaves it out of the trainer group and the
+        weight-sync group), or fails when it cannot."""
+        retire = getattr(self.backend, "retire", None)
+        if retire is None:
+            raise PermanentError(f"{reason}; this cluster backend cannot shrink an elastic job")
+        try:
+            event = self.pool.worker_lost(name, reason)
+        except FailedPrecondition as err:
+            raise PermanentError(f"{reason}; {err}") from err
+        except Exception as err:  # noqa: BLE001 - a survivor or the leader did not take it
+            raise PermanentError(f"{reason}; the job could not go on without it: "
+                                 f"{type(err).__name__}: {err}") from err
+        finally:
+            # Whatever the outcome, what is left of it goes, and it is not reported again.
+            retire(self.placement, name)
+        if event is not None:
+            self.recoveries.append(event)
+            self.record.workers = self.pool.by_role()
+            self.store.save(self.record)
+            logger.warning("job %s: %s", self.record.job_id, event)
 
     def _service_of(self, name: str) -> str:
         """What ran as `name`: locally the service itself; on Kubernetes a worker pod,

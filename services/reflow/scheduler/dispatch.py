@@ -123,6 +123,8 @@ class Dispatcher:
         self._recovered: deque[tuple[str, Prompt]] = deque()
         self.recovered_groups = 0
         self._events_restart: set[str] = set()
+        # Workers that left the job for good (an elastic job's lost worker).
+        self._retired: set[str] = set()
         # Groups a worker leaving rollout handed back: routed again first, on the
         # budget they were granted (never acquired twice, never lost).
         self._returned: deque[Prompt] = deque()
@@ -265,6 +267,18 @@ class Dispatcher:
         self.record({"event": "worker_lost", "worker": name, "groups_rerouted": len(lost)})
         return len(lost)
 
+    def worker_retired(self, name: str) -> int:
+        """`name` died and the job goes on without it (an elastic job's pool shrank):
+        its groups go out again as for a lost worker, and it is never routed to nor
+        read from again. Returns the groups re-routed."""
+        rerouted = self.worker_lost(name)
+        with self._cond:
+            self._unready.discard(name)
+            self._standby.add(name)
+            self._retired.add(name)
+            self._cond.notify_all()
+        return rerouted
+
     def inflight(self, name: str) -> int:
         """Samples the dispatcher holds out on `name` (routed, not yet ended)."""
         with self._cond:
@@ -405,7 +419,7 @@ class Dispatcher:
 
     def _event_loop(self, name: str) -> None:
         client, since, failures = self.clients[name], 0, 0
-        while not self._stop.is_set():
+        while not self._stop.is_set() and name not in self._retired:
             if name in self._events_restart:
                 with self._cond:
                     self._events_restart.discard(name)

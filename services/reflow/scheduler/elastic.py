@@ -15,6 +15,13 @@ weight-sync group from the start, and a warm trainer replica. A flip:
   meanwhile, admits again; the dispatcher routes to it once it reports running.
 Flips run one at a time on the pool's thread; each is a scheduling event with
 its phases timed, and the job's record lists the workers by role.
+
+A worker other than the leader that dies leaves the pool (`worker_lost`): the
+job goes on with one worker fewer, as long as a rollout worker is left. Its
+groups in flight go out again; the surviving engines take their places in a
+smaller weight-sync group; the leader is told which engines remain and which
+replicas, and drops a dead replica from its group at once (the step it broke is
+trained again, trainer/membership.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Callable
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
+from reflow.weightsync import RankPlan
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +99,14 @@ class ElasticPool:
 
     def by_role(self) -> dict[str, list[str]]:
         with self._lock:
+            roles = ("trainer", "rollout") + (("lost",) if "lost" in self.roles else ())
             return {role: [self.names[i] for i, r in enumerate(self.roles) if r == role]
-                    for role in ("trainer", "rollout")}
+                    for role in roles}
+
+    @property
+    def lost_addresses(self) -> set[str]:
+        with self._lock:
+            return {a for a, r in zip(self.addresses, self.roles) if r == "lost"}
 
     # --- requests -----------------------------------------------------------------------
 
@@ -106,6 +120,8 @@ class ElasticPool:
             if not 1 <= worker < len(self.addresses):
                 raise ValueError(f"worker: {worker} is not a flippable worker of this job "
                                  f"(1 to {len(self.addresses) - 1}; 0 holds trainer rank 0)")
+            if self._planned[worker] == "lost":
+                raise FailedPrecondition(f"worker {worker} was lost; the job goes on without it")
             if self._planned[worker] == role:
                 raise FailedPrecondition(f"worker {worker} is already a {role} worker "
                                          "(or a queued flip makes it one)")
@@ -159,6 +175,46 @@ class ElasticPool:
         if self._thread.is_alive():
             self._thread.join(10)
 
+    # --- a lost worker -------------------------------------------------------------------
+
+    def worker_lost(self, name: str, reason: str) -> dict | None:
+        """Worker `name` died: the job goes on without it. Returns the scheduling
+        event recorded (None if it had left already). FailedPrecondition when the job
+        cannot go on: the leader's worker, or the last rollout worker."""
+        with self._lock:
+            if name not in self.names:
+                raise KeyError(f"{name}: not a worker of this job")
+            i = self.names.index(name)
+            if i == 0:
+                raise FailedPrecondition(f"{name} held trainer rank 0 (the leader); the job "
+                                         "continues from its last checkpoint with a resume")
+            if self.roles[i] == "lost":
+                return None
+            role = self.roles[i]
+            roles = list(self.roles)
+            roles[i] = "lost"
+            if "rollout" not in roles[1:]:
+                raise FailedPrecondition(f"{name} was the job's last rollout worker")
+            self.roles[i] = self._planned[i] = "lost"
+        started = time.monotonic()
+        address = self.addresses[i]
+        rerouted = self.dispatcher.worker_retired(address)
+        # The surviving engines' places in the smaller weight-sync group first: the
+        # leader rebuilds it (once its publish to the lost engine failed) over the
+        # engines it is told of next, numbered the same way (weightsync.RankPlan).
+        engines = [a for j, a in enumerate(self.addresses) if j and self.roles[j] != "lost"]
+        plan = RankPlan.for_engines([self.spec.rollout.tensor_parallel_size] * len(engines))
+        for j, engine in enumerate(engines):
+            self.dispatcher.clients[engine].set_sync_place(self.job_id, plan.first_rank(j),
+                                                           plan.world_size)
+        epoch = self.leader.reconfigure(self.job_id, self.trainer_peers, engines)
+        event = {"event": "worker_left_pool", "worker": i, "name": name, "role": role,
+                 "reason": reason, "groups_rerouted": rerouted, "membership_epoch": epoch,
+                 "workers_left": len(engines) + 1,
+                 "handled_s": round(time.monotonic() - started, 3)}
+        self.record(event)
+        return event
+
     # --- carrying flips out -------------------------------------------------------------
 
     def _run(self) -> None:
@@ -166,9 +222,17 @@ class ElasticPool:
             flip = self._queue.get()
             if flip is None:
                 return
+            if self.roles[flip.worker] == "lost":
+                self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                             "to": flip.role, "reason": "the worker was lost"})
+                continue
             try:
                 self._flip(flip)
             except Exception as err:  # noqa: BLE001 - the job watcher fails the job
+                if self.roles[flip.worker] == "lost":  # it died during its flip
+                    self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                                 "to": flip.role, "reason": f"the worker was lost: {err}"[:500]})
+                    continue
                 logger.exception("job %s: role flip failed", self.job_id)
                 self.error = f"flip of worker {flip.worker} to {flip.role}: {err}"
                 self.record({"event": "role_flip_failed", "worker": flip.worker,

@@ -503,6 +503,20 @@ class KubernetesBackend:
             logger.info("reclaimed worker pods of jobs no longer running: %s", reclaimed)
         return reclaimed
 
+    def retire(self, placement: KubePlacement, name: str) -> None:
+        """Pod `name` of an elastic job was lost and the job goes on without it: it
+        leaves the placement (no longer watched or released with the job) and, if
+        it still carries the job's label (its container restarted), is labelled
+        idle for the next job."""
+        claim = placement.pods.pop(name, None)
+        if claim is None:
+            return
+        try:
+            self._unlabel(name, placement.job_id, claim.uid)
+        except Exception as err:  # noqa: BLE001 - reclaim_orphans picks it up later
+            logger.warning("could not release lost pod %s from job %s: %s", name,
+                           placement.job_id, err)
+
     def lost_pods(self, placement: KubePlacement) -> list[tuple[str, int, str]]:
         """Pods of the placement that are gone, replaced (new UID under the same
         name), not running, or restarted since they were claimed, from the watch

@@ -178,6 +178,14 @@ class LocalBackend:
         rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
         logger.info("%s restarted (pid %d)", name, placement.processes[name].pid)
 
+    def retire(self, placement: Placement, name: str) -> None:
+        """Process `name` of an elastic job died and the job goes on without it: what
+        is left of it (children it spawned) is taken down, and it is no longer
+        watched."""
+        old = placement.processes.pop(name, None)
+        if old is not None:
+            procs.stop_processes([old], timeout_s=5)
+
     def release(self, placement: Placement) -> None:
         """Stop the job's services, each with every process it started: first those
         that write to and read from the replay buffer (rollout and trainer, or the

@@ -422,7 +422,7 @@ class Scheduler(JobRecovery):
         controller = JobController(record, spec, self.store, self.backend, placement,
                                    dispatcher.replay, trainer, Path(record.run_dir),
                                    events=dispatcher.record, dispatcher=dispatcher,
-                                   start_rollout=start_rollout)
+                                   start_rollout=start_rollout, pool=pool)
         rollout_polls = [ConsecutiveFailures(f"job {record.job_id}: rollout {c.address}",
                                              MAX_POLL_FAILURES) for c in rollouts]
         trainer_polls = ConsecutiveFailures(f"job {record.job_id}: trainer", MAX_POLL_FAILURES)
@@ -442,7 +442,10 @@ class Scheduler(JobRecovery):
                 except PermanentError as err:
                     return "FAILED", f"{err}; see GET /v1/jobs/{record.job_id}/logs"
                 continue
+            lost = pool.lost_addresses if pool is not None else set()
             for client, polls in zip(rollouts, rollout_polls):
+                if client.address in lost:
+                    continue
                 stats = polls.call(client.stats, record.job_id)
                 if stats is not None and stats.state == "failed":
                     return "FAILED", f"rollout: {stats.error}"

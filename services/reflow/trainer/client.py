@@ -71,11 +71,14 @@ class GrpcTrainerClient:
                              m.group_size, m.membership_epoch, m.last_regroup_s,
                              m.last_state_handoff)
 
-    def reconfigure(self, job_id: str, trainer_peers: list[str]) -> int:
-        """Leader: the group's next replicas; returns the epoch they take effect as."""
+    def reconfigure(self, job_id: str, trainer_peers: list[str],
+                    rollout_addresses: list[str] | None = None) -> int:
+        """Leader: the group's next replicas (and, given, the engines it publishes to
+        from now on); returns the epoch the replicas take effect as."""
         from reflow.v1 import trainer_pb2
 
-        req = trainer_pb2.ReconfigureRequest(job_id=job_id, trainer_peers=trainer_peers)
+        req = trainer_pb2.ReconfigureRequest(job_id=job_id, trainer_peers=trainer_peers,
+                                             rollout_addresses=rollout_addresses or [])
         return self._stub.Reconfigure(req, timeout=self.deadline_s).membership_epoch
 
     def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reflow.core.errors import TemporaryError
 from reflow.core.types import Trajectory
 from reflow.trainer.handoff import Descriptor, SharedState, copy_from_leader, state_tensors
 from reflow.weightsync import SyncGroup, make_group
@@ -66,6 +67,14 @@ def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.
     return buckets
 
 
+class GroupBroken(TemporaryError):
+    """A collective of the trainer group failed: a peer died (its sockets closed),
+    aborted the group, or timed out. Raised before any rank's optimizer step of
+    the batch (the gradient all-reduce is the step's last collective), so the
+    leader can rebuild the group from the ranks still there and train the same
+    batch again (TrainLoop._group_broken)."""
+
+
 @dataclass
 class TrainerGroup:
     """One membership of the trainer group: this process's rank in it."""
@@ -85,15 +94,32 @@ class TrainerGroup:
 
     # --- collectives ------------------------------------------------------------------
 
+    def _collective(self, what: str, start) -> None:
+        """Run one collective (`start(group)` returns its work) and wait for it; any
+        failure is the group's (GroupBroken), whatever the backend calls it."""
+        group = self.sync.group
+        if group is None:
+            raise GroupBroken(f"trainer group epoch {self.epoch} was aborted")
+        try:
+            start(group).wait()
+        except RuntimeError as err:  # gloo's and NCCL's errors, timeouts included
+            raise GroupBroken(f"trainer group epoch {self.epoch}: {what} failed: "
+                              f"{type(err).__name__}: {err}"[:1000]) from err
+
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.sync.group.broadcast([tensor], opts).wait()
+        self._collective("broadcast", lambda g: g.broadcast([tensor], opts))
 
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self.sync.group.allreduce([tensor], opts).wait()
+        opts.reduceOp = op
+        self._collective("all-reduce", lambda g: g.allreduce([tensor], opts))
+
+    def abort(self) -> None:
+        """Close the group now (weightsync.SyncGroup.abort): every peer still in one
+        of its collectives fails at once instead of after the group's timeout."""
+        self.sync.abort()
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         # On the group's device: NCCL moves CUDA tensors only.
@@ -149,9 +175,7 @@ class TrainerGroup:
                 logger.info("trainer group: no same-host state hand-off (%s); broadcasting", err)
                 copied = False
         everyone = torch.tensor([1 if copied else 0], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.sync.group.allreduce([everyone], opts).wait()
+        self._all_reduce(everyone, dist.ReduceOp.MIN)
         if int(everyone.item()) == 1:
             return "shared_memory"
         self.broadcast_state(model, optimizer)

@@ -30,13 +30,13 @@ import torch
 from reflow.core.config import JobSpec
 from reflow.core.errors import ConsecutiveFailures
 from reflow.core.types import Batch
-from reflow.procs import free_port
 from reflow.replay.client import ReplayClient
 from reflow.trainer.checkpoint import (CheckpointInfo, Checkpointer, load_checkpoint,
                                        supersede_metrics)
-from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.trainer.evaluation import PeriodicEval
 from reflow.trainer.handoff import SharedState
+from reflow.trainer.membership import GroupMembership
 from reflow.trainer.publish import WeightPublisher
 from reflow.trainer.records import step_record
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
@@ -56,7 +56,7 @@ class JobStopped(Exception):
     """The job was asked to stop."""
 
 
-class TrainLoop(WeightPublisher):
+class TrainLoop(GroupMembership, WeightPublisher):
     def __init__(
         self,
         job_id: str,
@@ -106,6 +106,13 @@ class TrainLoop(WeightPublisher):
         self.last_regroup_s = 0.0
         self._pending_peers: list[str] | None = None
         self._membership_lock = threading.Lock()
+        # Replicas left out of the group (dead or failed) and the times it broke.
+        self.lost_peers: list[str] = []
+        self.group_failures = 0
+        # Engines of lost workers that left the job (trainer/membership.py).
+        self._pending_engines: list[str] | None = None
+        self.retired_engines: list[str] = []
+        self._engines_changed = False
         self._trainer_client_factory = trainer_client_factory
         # The leader's state in same-host shared memory (trainer/handoff.py), while
         # this job may have replicas.
@@ -196,59 +203,6 @@ class TrainLoop(WeightPublisher):
 
     # --- the data-parallel group (paper §5) ------------------------------------------
 
-    @property
-    def group_timeout_s(self) -> float:
-        """A replica waits for the leader's next command at most this long: a batch
-        wait, plus a step."""
-        return self.spec.trainer.batch_timeout_s + 600.0
-
-    def reconfigure(self, peers: list[str]) -> int:
-        """The group's next replicas besides this leader; applied at the next step
-        boundary after a publish (`apply_membership`). Returns the epoch it takes."""
-        with self._membership_lock:
-            self._pending_peers = list(peers)
-            return self.membership_epoch + 1
-
-    def apply_membership(self) -> None:
-        """Rebuild the group for a pending membership: the current replicas drop
-        out (`regroup`), every replica of the new membership joins a fresh group
-        and receives this leader's parameters and optimizer state."""
-        with self._membership_lock:
-            peers, self._pending_peers = self._pending_peers, None
-        if peers is None:
-            return
-        started = time.monotonic()
-        epoch = self.membership_epoch + 1
-        if self.group is not None:
-            self.group.send_command("regroup", self.step)
-            self.group = None
-        self.last_handoff = ""
-        if peers:
-            from reflow.trainer.client import GrpcTrainerClient
-
-            factory = self._trainer_client_factory or GrpcTrainerClient
-            port, world = free_port(), 1 + len(peers)
-            joins = [self._pool.submit(factory(address).join_group, self.job_id, port, rank,
-                                       world, epoch)
-                     for rank, address in enumerate(peers, start=1)]
-            group = TrainerGroup.build(self.master_address, port, 0, world, epoch,
-                                       self.device, self.group_timeout_s)
-            for f in joins:
-                f.result()
-            self.last_handoff = group.transfer_state(self.model, self.optimizer,
-                                                     self.shared_state)
-            self.group = group
-        with self._membership_lock:
-            self.peers, self.membership_epoch = peers, epoch
-        self.last_regroup_s = time.monotonic() - started
-        logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
-                    1 + len(peers), self.last_regroup_s,
-                    f", state by {self.last_handoff}" if peers else "")
-
-    @property
-    def group_size(self) -> int:
-        return 1 + len(self.peers) if self.group is not None else 1
-
     # --- the loop -----------------------------------------------------------------
 
     def share_state(self) -> None:
@@ -288,6 +242,7 @@ class TrainLoop(WeightPublisher):
         while self.step < self.spec.trainer.num_steps:
             if self._stop.is_set():
                 raise JobStopped()
+            self._apply_retired()
             step_start = time.monotonic()
             # 1. Wait for a batch; the wait is the trainer's idle time.
             batch = self._lease_batch()
@@ -346,7 +301,10 @@ class TrainLoop(WeightPublisher):
             if self.checkpointer is not None and self.checkpointer.due(self.step):
                 checkpoint_s = self.checkpoint()
         if self.group is not None:
-            self.group.send_command("stop", self.step)
+            try:
+                self.group.send_command("stop", self.step)
+            except GroupBroken as err:  # the training is done; a lost replica changes nothing
+                logger.warning("job %s: stop to a broken group: %s", self.job_id, err)
 
     def checkpoint(self) -> float:
         """Save a checkpoint of this step in the background, with the buffer's
@@ -405,6 +363,7 @@ class TrainLoop(WeightPublisher):
             )
             if batch is not None:
                 return batch
+            self._apply_retired()
             self._check_rollouts()
             self.resync_replaced_engines()
         raise JobStopped()
@@ -449,12 +408,17 @@ class TrainLoop(WeightPublisher):
                 raise RuntimeError(f"rollout worker {client.address} failed: {stats.error}")
 
     def _train_step(self, batch: Batch):
-        group = self.group
-        if group is not None:
-            # The replicas compute their shares of the same batch (trainer/dp.py).
-            group.send_command("train", self.step + 1, batch.trajectories)
-        return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
-                            self.pad_id, self.device, group, reference=self.reference)
+        while True:
+            group = self.group
+            try:
+                if group is not None:
+                    # The replicas compute their shares of the same batch (trainer/dp.py).
+                    group.send_command("train", self.step + 1, batch.trajectories)
+                return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
+                                    self.pad_id, self.device, group, reference=self.reference)
+            except GroupBroken as err:
+                # No rank stepped: the same batch again, on the group that is left.
+                self._regroup_after(err)
 
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the

@@ -110,7 +110,12 @@ class WeightPublisher:
     def _publish_or_rebuild(self) -> tuple[float, float]:
         """`_publish`, and when a rollout worker's update fails, rebuild the group
         once the job's workers run again and publish as a resync (bounded by
-        cluster.max_restarts over the job)."""
+        cluster.max_restarts over the job). Engines that left the job since the last
+        publish (a lost worker's, trainer/membership.py) take a rebuild first."""
+        self._apply_retired()
+        if self._engines_changed:
+            return self._rebuild_weight_sync(f"engines {', '.join(self.retired_engines)} left "
+                                             "the job", counted=False)
         try:
             return self._publish()
         except Exception as err:  # noqa: BLE001 - classified below
@@ -135,16 +140,19 @@ class WeightPublisher:
             self._rebuild_weight_sync(f"replaced rollout workers behind v{self.policy_version}: "
                                       + ", ".join(behind))
 
-    def _rebuild_weight_sync(self, reason: str) -> tuple[float, float]:
+    def _rebuild_weight_sync(self, reason: str, counted: bool = True) -> tuple[float, float]:
+        """`counted`: against cluster.max_restarts (a failed publish's rebuild; one
+        for a lost worker's engine is bounded by the workers the job has)."""
         logger.warning("job %s: %s; rebuilding weight sync", self.job_id, reason)
         started = time.monotonic()
-        self.weight_sync_rebuilds += 1
+        self.weight_sync_rebuilds += int(counted)
         # First: a surviving engine still blocked receiving the broadcast that failed
         # fails now, and is free to join the new group.
         if self._sync_group is not None:
             self._sync_group.abort()
             self._sync_group = None
         self._wait_engines_running()
+        self._engines_changed = False
         self.init_weight_sync()
         # The failed publish may have reached some engines: the resync goes above
         # every version any of them (or the buffer) holds, so that versions rise.
@@ -159,6 +167,8 @@ class WeightPublisher:
     def _wait_engines_running(self) -> None:
         deadline = time.monotonic() + ENGINE_RETURN_TIMEOUT_S
         while True:
+            # A lost worker's engine leaves the set once the scheduler says so.
+            self._apply_retired()
             states = {}
             for c in self.rollouts:
                 try:

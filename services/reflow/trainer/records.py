@@ -64,6 +64,10 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         # The trainer group this step ran on (paper §5's elastic pool).
         "trainer_workers": loop.group_size,
         "membership_epoch": loop.membership_epoch,
+        # Faults the job went on through: the trainer group broke by a member's
+        # loss (its step trained again), and lost workers' engines that left.
+        "trainer_group_breaks": loop.group_failures,
+        "retired_engines": len(loop.retired_engines),
         "generation_tokens_per_s": generated_tokens / step_s if step_s > 0 else 0.0,
         "fresh_samples": fresh,
         "stale_samples": len(trajs) - fresh - replayed,

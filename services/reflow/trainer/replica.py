@@ -19,7 +19,7 @@ import torch
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
-from reflow.trainer.dp import TrainerGroup
+from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.trainer.handoff import materialise_optimizer_state
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.step import compute_step
@@ -41,6 +41,7 @@ class TrainerReplica:
         self.step = 0
         self.epoch = 0
         self.steps_trained = 0
+        self.group_failures = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._loaded = threading.Event()
@@ -84,6 +85,7 @@ class TrainerReplica:
 
     def _follow(self, master_port: int, rank: int, world_size: int, epoch: int) -> None:
         loop = self.loop
+        group = None
         try:
             if not self._loaded.wait(loop.group_timeout_s) or self.error:
                 raise RuntimeError(f"the replica did not load: {self.error or 'timed out'}")
@@ -114,11 +116,23 @@ class TrainerReplica:
                     return
                 else:
                     raise ValueError(f"trainer group: unknown command {op!r}")
+        except GroupBroken as err:
+            # A peer died or the leader gave the group up: this replica's state is
+            # whatever the leader sends at its next join, so it stands by for that.
+            if group is not None:
+                group.abort()
+            if not self._stop.is_set():
+                logger.warning("job %s: replica left broken group of epoch %d: %s",
+                               self.job_id, epoch, err)
+                self.group_failures += 1
+                self.state = "standby"
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
             if self._stop.is_set():
                 logger.info("job %s: stopped replica left its group: %s", self.job_id, err)
                 return
             logger.exception("job %s: replica failed", self.job_id)
+            if group is not None:
+                group.abort()  # the leader's collective with it fails now, not at a timeout
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
 
     def stop(self) -> None:

@@ -134,14 +134,19 @@ class TrainerService:
         """Replica: join the leader's group (on the leader host fixed at start)."""
         self._replica_for(job_id).join(master_port, rank, world_size, epoch)
 
-    def reconfigure(self, job_id: str, peers: list[str]) -> int:
-        """Leader: the group's next replicas, applied at the next sync boundary."""
+    def reconfigure(self, job_id: str, peers: list[str],
+                    rollout_addresses: list[str] | None = None) -> int:
+        """Leader: the group's next replicas, applied at the next sync boundary;
+        `rollout_addresses` (non-empty): the engines still in the job."""
         peers = [check_address(a, "trainer_peers") for a in peers]
+        engines = [check_address(a, "rollout_addresses") for a in rollout_addresses or []]
         if len(peers) >= MAX_ROLLOUT_WORKERS:
             raise ValueError(f"trainer_peers: at most {MAX_ROLLOUT_WORKERS - 1}")
         if job_id != self.job_id or self.loop is None or self.state not in ("starting",
                                                                             "running"):
             raise FailedPrecondition(f"job {job_id[:80]!r} is not training on this trainer")
+        if engines:
+            self.loop.retire_engines(engines)
         return self.loop.reconfigure(peers)
 
     def _replica_for(self, job_id: str):

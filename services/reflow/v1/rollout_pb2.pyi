@@ -7,6 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetSyncPlaceRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
 class EvaluateRequest(_message.Message):
     __slots__ = ("job_id", "num_prompts", "greedy")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

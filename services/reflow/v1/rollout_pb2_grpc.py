@@ -52,6 +52,11 @@ class RolloutStub:
                 request_serializer=reflow_dot_v1_dot_rollout__pb2.InitWeightSyncRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.SetSyncPlace = channel.unary_unary(
+                '/reflow.v1.Rollout/SetSyncPlace',
+                request_serializer=reflow_dot_v1_dot_rollout__pb2.SetSyncPlaceRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/reflow.v1.Rollout/UpdateWeights',
                 request_serializer=reflow_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
@@ -98,6 +103,14 @@ class RolloutServicer:
 
     def InitWeightSync(self, request, context):
         """Join the weight-sync process group (once per job).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSyncPlace(self, request, context):
+        """The scheduler: this worker's new place in the weight-sync group once another
+        worker of the job was lost (the group shrinks; the next join uses it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +168,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'InitWeightSync': grpc.unary_unary_rpc_method_handler(
                     servicer.InitWeightSync,
                     request_deserializer=reflow_dot_v1_dot_rollout__pb2.InitWeightSyncRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'SetSyncPlace': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSyncPlace,
+                    request_deserializer=reflow_dot_v1_dot_rollout__pb2.SetSyncPlaceRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
@@ -265,6 +283,33 @@ class Rollout:
             target,
             '/reflow.v1.Rollout/InitWeightSync',
             reflow_dot_v1_dot_rollout__pb2.InitWeightSyncRequest.SerializeToString,
+            reflow_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSyncPlace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Rollout/SetSyncPlace',
+            reflow_dot_v1_dot_rollout__pb2.SetSyncPlaceRequest.SerializeToString,
             reflow_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

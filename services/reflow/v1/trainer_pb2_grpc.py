@@ -87,7 +87,8 @@ class TrainerServicer:
 
     def Reconfigure(self, request, context):
         """Leader: the data-parallel group's next members (the replicas besides the
-        leader). Applied at the next step boundary, after a weight publish.
+        leader). Applied at the next step boundary, after a weight publish; and
+        the rollout engines it publishes to, when one of them was lost.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,183 @@
+"""The leader's side of the trainer group's membership (paper §5): replicas
+that join and leave at sync boundaries, and a group that loses a member.
+
+Membership changes the scheduler asks for (`reconfigure`) wait for the next
+sync boundary (`apply_membership`): the current replicas drop out, the new
+membership joins a fresh group and receives the leader's state.
+
+A replica whose worker died breaks the group mid-step: the step's collectives
+fail on every rank (trainer/dp.py GroupBroken) before any optimizer step, so
+the leader rebuilds the group at once from the replicas that stand by again
+and trains the same batch, still leased, again (`_regroup_after`). The dead
+replica is not waited for; the job goes on with one replica fewer. A lost
+worker's engine leaves the weight-sync group the same way (`retire_engines`,
+from the scheduler, which knows which worker died).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from reflow.procs import free_port
+from reflow.trainer.dp import GroupBroken, TrainerGroup
+
+logger = logging.getLogger(__name__)
+
+# How long a rebuild waits for the surviving replicas to leave the broken group
+# (each does once its collective fails, which the leader's abort makes at once).
+PEER_STANDBY_WAIT_S = 60.0
+_PEER_POLL_S = 0.2
+
+
+class GroupMembership:
+    """Membership methods of `TrainLoop` (trainer/loop.py), which holds the state
+    they use (`group`, `peers`, `membership_epoch`, `_pending_peers`,
+    `_pending_engines`, `_membership_lock`, `rollouts`, the model and optimizer)."""
+
+    @property
+    def group_timeout_s(self) -> float:
+        """A replica waits for the leader's next command at most this long: a batch
+        wait, plus a step."""
+        return self.spec.trainer.batch_timeout_s + 600.0
+
+    @property
+    def group_size(self) -> int:
+        return 1 + len(self.peers) if self.group is not None else 1
+
+    def reconfigure(self, peers: list[str]) -> int:
+        """The group's next replicas besides this leader; applied at the next step
+        boundary after a publish (`apply_membership`). Returns the epoch it takes."""
+        with self._membership_lock:
+            self._pending_peers = list(peers)
+            return self.membership_epoch + 1
+
+    def _peer_client(self, address: str):
+        from reflow.trainer.client import GrpcTrainerClient
+
+        return (self._trainer_client_factory or GrpcTrainerClient)(address)
+
+    def apply_membership(self) -> None:
+        """Rebuild the group for a pending membership: the current replicas drop
+        out (`regroup`), every replica of the new membership that stands by joins a
+        fresh group and receives this leader's parameters and optimizer state."""
+        with self._membership_lock:
+            peers, self._pending_peers = self._pending_peers, None
+        if peers is None:
+            return
+        started = time.monotonic()
+        epoch = self.membership_epoch + 1
+        if self.group is not None:
+            try:
+                self.group.send_command("regroup", self.step)
+            except GroupBroken as err:  # a member died since the last step: it stays out
+                logger.warning("job %s: regroup of a broken group: %s", self.job_id, err)
+                self.group.abort()
+            self.group = None
+        self.last_handoff = ""
+        # Replicas of the old group stand by once they have the regroup; a dead or
+        # failed one is left out instead of holding the new group's rendezvous.
+        peers = self._peers_standing_by(peers)
+        if peers:
+            port, world = free_port(), 1 + len(peers)
+            joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
+                                       port, rank, world, epoch)
+                     for rank, address in enumerate(peers, start=1)]
+            group = TrainerGroup.build(self.master_address, port, 0, world, epoch,
+                                       self.device, self.group_timeout_s)
+            for f in joins:
+                f.result()
+            self.last_handoff = group.transfer_state(self.model, self.optimizer,
+                                                     self.shared_state)
+            self.group = group
+        with self._membership_lock:
+            self.peers, self.membership_epoch = peers, epoch
+        self.last_regroup_s = time.monotonic() - started
+        logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
+                    1 + len(peers), self.last_regroup_s,
+                    f", state by {self.last_handoff}" if peers else "")
+
+    def _peers_standing_by(self, peers: list[str]) -> list[str]:
+        """The replicas of `peers` that stand by to join (in order): each is asked
+        until it does, or answers that it cannot (failed, or not this job's), or
+        does not answer (its worker is gone), for at most PEER_STANDBY_WAIT_S."""
+        clients = {address: self._peer_client(address) for address in peers}
+        ready: set[str] = set()
+        waiting = list(peers)
+        deadline = time.monotonic() + PEER_STANDBY_WAIT_S
+        try:
+            while waiting:
+                for address in list(waiting):
+                    try:
+                        state = clients[address].status(self.job_id).state
+                    except Exception as err:  # noqa: BLE001 - unreachable or unknown: left out
+                        state = f"unreachable ({type(err).__name__})"
+                    if state in ("starting", "standby"):
+                        ready.add(address)
+                    if state not in ("training", "joining"):
+                        waiting.remove(address)
+                        if address not in ready:
+                            logger.warning("job %s: trainer replica %s left out of the group: "
+                                           "%s", self.job_id, address, state)
+                if not waiting or time.monotonic() > deadline or self.stopping:
+                    break
+                time.sleep(_PEER_POLL_S)
+        finally:
+            for client in clients.values():
+                client.close()
+        left_out = [a for a in peers if a not in ready]
+        self.lost_peers.extend(a for a in left_out if a not in self.lost_peers)
+        return [a for a in peers if a in ready]
+
+    def _regroup_after(self, err: GroupBroken) -> None:
+        """The group broke during a step (a replica's worker died): rebuild it now
+        from the replicas still there, so that the step can run again. Bounded by
+        cluster.max_restarts over the job."""
+        self.group_failures += 1
+        if self.group_failures > self.spec.cluster.max_restarts:
+            raise RuntimeError(f"the trainer group broke {self.group_failures} times "
+                               f"(cluster.max_restarts={self.spec.cluster.max_restarts}): "
+                               f"{err}") from err
+        logger.warning("job %s: trainer group broke at step %d (%s); rebuilding it",
+                       self.job_id, self.step + 1, err)
+        broken, self.group = self.group, None
+        if broken is not None:
+            broken.abort()  # the survivors' collectives fail now, and they stand by
+        with self._membership_lock:
+            # A change the scheduler asked for meanwhile is applied with the rebuild.
+            if self._pending_peers is None:
+                self._pending_peers = list(self.peers)
+        self.apply_membership()
+
+    # --- the rollout engines ----------------------------------------------------------
+
+    def retire_engines(self, keep: list[str]) -> None:
+        """The rollout engines still in the job: a subset of those it started with
+        (a lost worker's engine leaves; none joins). Applied on the training thread
+        (`_apply_retired`); the next publish builds a weight-sync group without the
+        ones that left."""
+        known = {c.address for c in self.rollouts}
+        unknown = [a for a in keep if a not in known]
+        if unknown:
+            raise ValueError(f"rollout_addresses: {unknown[0][:80]!r} is not an engine of this "
+                             "job; engines only leave a running job")
+        with self._membership_lock:
+            self._pending_engines = list(keep)
+
+    def _apply_retired(self) -> None:
+        with self._membership_lock:
+            keep, self._pending_engines = self._pending_engines, None
+        if keep is None:
+            return
+        gone = [c.address for c in self.rollouts if c.address not in keep]
+        if not gone:
+            return
+        # In place: the evaluation thread holds the same list.
+        self.rollouts[:] = [c for c in self.rollouts if c.address in keep]
+        for address in gone:
+            self._stats_polls.pop(address, None)
+            self.retired_engines.append(address)
+        # The group built over the old engine set cannot carry the next version.
+        self._engines_changed = True
+        logger.warning("job %s: rollout engines %s left the job; %d remain", self.job_id,
+                       ", ".join(gone), len(self.rollouts))

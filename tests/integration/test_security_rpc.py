@@ -233,7 +233,6 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
         assert named in details, (fields, details)
     assert engine.joined == []  # nothing reached the engine
-
     code, details = _code(lambda: stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(job_id=JOB, policy_version=1), timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightSync" in details
@@ -257,6 +256,21 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
     assert resync(7).policy_version == 7
     code, details = _code(lambda: resync(9))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "next version (8)" in details
+
+    # A new place only ever shrinks the group (a lost worker's engine left it).
+    place = lambda **f: stub.SetSyncPlace(rollout_pb2.SetSyncPlaceRequest(  # noqa: E731
+        **{"job_id": JOB, **f}), timeout=10)
+    for fields, named in [({"rank": 1, "world_size": 4}, "not a shrink"),
+                          ({"rank": 0, "world_size": 2}, "rank"),
+                          ({"rank": 1, "world_size": 1}, "does not fit"),
+                          ({"job_id": "other-job", "rank": 1, "world_size": 2}, "not running")]:
+        code, details = _code(lambda: place(**fields))
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        assert named in details, (fields, details)
+    # Taken for the next join (a new trainer's group, at another port).
+    place(rank=1, world_size=2)
+    code, details = _code(lambda: _init(stub, world_size=3, master_port=29777))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "world_size" in details
 
 
 def test_a_stray_update_honours_its_deadline_and_the_real_one_joins_it(replay, rollout,

@@ -5,7 +5,6 @@ into the buffer (none lost), and the leader's group gains it at a sync
 boundary; a worker coming back is routed to again. Requests that would break
 the pool are refused with the field named."""
 
-import threading
 import time
 
 import pytest

@@ -41,7 +41,8 @@ class _ReplicaClient:
         self.replica.join(port, rank, world, epoch)
 
     def status(self, job_id):
-        return TrainerStatus(job_id, self.replica.state, self.replica.step, 0)
+        return TrainerStatus(job_id, self.replica.state, self.replica.step, 0,
+                             membership_epoch=self.replica.epoch)
 
     def close(self):
         pass

@@ -73,6 +73,10 @@ class WeightSyncMixin:
         loop, and a retry joins it."""
         with self._sync_lock:
             address = (spec.master_address, spec.master_port)
+            # Checked first: a join that does not describe this worker's place never
+            # unsets the group it has.
+            spec.check(self.sync_rank, self.sync_world_size, self.trainer_host,
+                       self.spec.rollout.tensor_parallel_size)
             if self._sync_state == "ready":
                 if address == self._sync_address:
                     raise FailedPrecondition("weight sync is already set up with this trainer; "
@@ -81,8 +85,6 @@ class WeightSyncMixin:
                                self.job_id, *address)
                 self._sync_state = "none"
             if self._sync_state == "none":
-                spec.check(self.sync_rank, self.sync_world_size, self.trainer_host,
-                           self.spec.rollout.tensor_parallel_size)
                 self._sync_state = "initialising"
                 self._init = concurrent.futures.Future()
                 threading.Thread(target=self._init_weight_sync, args=(spec, self._init),

@@ -21,8 +21,9 @@ the trainer's leases, the dispatcher's grants) ride the gap out on their retries
 
 An elastic job's worker that dies (other than the leader's) is not brought
 back: the pool goes on without it (scheduler/elastic.py worker_lost), down to
-one rollout worker; the leader's own worker dying fails the job, which a resume
-continues from its last checkpoint.
+one rollout worker. Worker 0, which holds trainer rank 0, is restarted as a
+trainer is: it resumes from the newest checkpoint with the pool's replicas,
+which stood by when its group broke, and the engines that remain.
 
 What comes back at the same address is, locally, a new process the backend
 starts; on Kubernetes, the lost worker pod itself, once its StatefulSet has
@@ -71,12 +72,14 @@ class JobController:
         reason = f"{name} {what} (exit code {code})"
         service = self._service_of(name)
         if elastic and self.pool is not None and name in self.pool.names:
-            self._drop_worker(name, reason)
-            return
+            if self.pool.names.index(name):
+                self._drop_worker(name, reason)
+                return
+            service = "trainer"  # worker 0 holds trainer rank 0, and nothing else
         try:
-            if service not in RESTARTABLE or elastic:
-                raise PermanentError(f"{reason}; a fixed-role job's {' and '.join(RESTARTABLE)} "
-                                     "are restarted, nothing else yet")
+            if service not in RESTARTABLE:
+                raise PermanentError(f"{reason}; the {' and '.join(RESTARTABLE)} are "
+                                     "restarted, nothing else")
             if getattr(self.backend, "restart", None) is None:
                 raise PermanentError(f"{reason}; this cluster backend does not restart services")
             done = self.record.restarts.get(name, 0)
@@ -204,8 +207,13 @@ class JobController:
         backfill_metrics(self.store, job_id, self.run_dir, step)
         self.record.step = step
         self._count_restart(name)
+        # An elastic job's leader takes its replicas back and publishes to the engines
+        # still in the job (those of lost workers left it).
+        lost = self.pool.lost_addresses if self.pool is not None else set()
         self.trainer.start_job(job_id, self.record.spec_json, self.placement.replay_address,
-                               self.placement.rollout_addresses, str(self.run_dir),
+                               [a for a in self.placement.rollout_addresses if a not in lost],
+                               str(self.run_dir),
+                               trainer_peers=self.pool.trainer_peers if self.pool else [],
                                resume_from=checkpoint.path.name if checkpoint else "")
         # The steps lost are counted by the resumed trainer, from the dead one's own
         # records (its first record's superseded_steps); the scheduler saw this much.

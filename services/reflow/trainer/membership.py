@@ -66,7 +66,6 @@ class GroupMembership:
         if peers is None:
             return
         started = time.monotonic()
-        epoch = self.membership_epoch + 1
         if self.group is not None:
             try:
                 self.group.send_command("regroup", self.step)
@@ -77,7 +76,10 @@ class GroupMembership:
         self.last_handoff = ""
         # Replicas of the old group stand by once they have the regroup; a dead or
         # failed one is left out instead of holding the new group's rendezvous.
-        peers = self._peers_standing_by(peers)
+        peers, their_epochs = self._peers_standing_by(peers)
+        # Above every epoch a replica has joined: a restarted leader's first group is
+        # not refused as a stale one by the replicas its predecessor led.
+        epoch = max([self.membership_epoch, *their_epochs]) + 1
         if peers:
             port, world = free_port(), 1 + len(peers)
             joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
@@ -97,23 +99,27 @@ class GroupMembership:
                     1 + len(peers), self.last_regroup_s,
                     f", state by {self.last_handoff}" if peers else "")
 
-    def _peers_standing_by(self, peers: list[str]) -> list[str]:
-        """The replicas of `peers` that stand by to join (in order): each is asked
-        until it does, or answers that it cannot (failed, or not this job's), or
-        does not answer (its worker is gone), for at most PEER_STANDBY_WAIT_S."""
+    def _peers_standing_by(self, peers: list[str]) -> tuple[list[str], list[int]]:
+        """The replicas of `peers` that stand by to join (in order), and the
+        membership epochs they were last in: each is asked until it stands by, or
+        answers that it cannot (failed, or not this job's), or does not answer (its
+        worker is gone), for at most PEER_STANDBY_WAIT_S."""
         clients = {address: self._peer_client(address) for address in peers}
         ready: set[str] = set()
+        epochs: list[int] = []
         waiting = list(peers)
         deadline = time.monotonic() + PEER_STANDBY_WAIT_S
         try:
             while waiting:
                 for address in list(waiting):
                     try:
-                        state = clients[address].status(self.job_id).state
+                        status = clients[address].status(self.job_id)
+                        state = status.state
                     except Exception as err:  # noqa: BLE001 - unreachable or unknown: left out
                         state = f"unreachable ({type(err).__name__})"
                     if state in ("starting", "standby"):
                         ready.add(address)
+                        epochs.append(int(status.membership_epoch))
                     if state not in ("training", "joining"):
                         waiting.remove(address)
                         if address not in ready:
@@ -127,7 +133,7 @@ class GroupMembership:
                 client.close()
         left_out = [a for a in peers if a not in ready]
         self.lost_peers.extend(a for a in left_out if a not in self.lost_peers)
-        return [a for a in peers if a in ready]
+        return [a for a in peers if a in ready], epochs
 
     def _regroup_after(self, err: GroupBroken) -> None:
         """The group broke during a step (a replica's worker died): rebuild it now

@@ -205,6 +205,19 @@ def test_a_lost_worker_leaves_the_pool_and_its_groups_go_to_the_others(pool_job)
     assert pool.by_role()["rollout"] == ["worker-2"]
 
 
+def test_a_loss_below_the_configured_minimum_fails_the_job_instead():
+    spec = _spec(workers=3, trainer_workers=1, min_workers=3)
+    pool = ElasticPool("j", spec, ["w0", "w1", "w2"], Leader(), dispatcher=None,
+                       worker_client_factory=lambda a: None, record=lambda e: None)
+    with pytest.raises(FailedPrecondition, match="cluster.min_workers=3"):
+        pool.worker_lost("worker-1", "exited")
+    assert pool.by_role() == {"trainer": ["worker-0"], "rollout": ["worker-1", "worker-2"]}
+    with pytest.raises(ValueError, match="min_workers"):
+        _spec(workers=3, min_workers=4)
+    with pytest.raises(ValueError, match="min_workers"):
+        parse_job_spec({"model": {"path": "/m"}, "cluster": {"min_workers": 3}})
+
+
 def test_a_rollout_worker_s_sync_place_only_shrinks():
     spec = _spec(workers=3, trainer_workers=1)
     worker = RolloutWorker("j", spec, lambda: StaggeredEngine(0.02),

@@ -52,6 +52,11 @@ class ClusterConfig(_Section):
         "parameters and optimizer state. `auto`: on CPU, replicas on the leader's host copy "
         "them from the leader's shared memory, the others (and every GPU replica) receive a "
         "broadcast over the group; `broadcast`: always the broadcast.")
+    min_workers: int = Field(
+        default=2, ge=2, le=4096,
+        description="An elastic job goes on without a lost worker (other than worker 0, "
+        "which is restarted) while at least this many workers are left, one of them a rollout "
+        "worker; below it the job fails. 2: down to the leader and one rollout worker.")
     max_restarts: int = Field(
         default=3, ge=0, le=1000,
         description="Times the job controller restarts a service of the job that died (a "
@@ -62,10 +67,14 @@ class ClusterConfig(_Section):
     def _check_pool(self) -> ClusterConfig:
         if self.workers is None:
             # Values, not fields set: a dumped spec carries every default.
-            if self.flips or self.trainer_workers != 1:
-                raise ValueError("cluster.flips and cluster.trainer_workers need "
-                                 "cluster.workers (an elastic pool of at least 2 workers)")
+            if self.flips or self.trainer_workers != 1 or self.min_workers != 2:
+                raise ValueError("cluster.flips, cluster.trainer_workers and "
+                                 "cluster.min_workers need cluster.workers (an elastic pool "
+                                 "of at least 2 workers)")
             return self
+        if self.min_workers > self.workers:
+            raise ValueError(f"cluster.min_workers ({self.min_workers}) must be at most "
+                             f"cluster.workers ({self.workers})")
         if self.trainer_workers >= self.workers:
             raise ValueError(f"cluster.trainer_workers ({self.trainer_workers}) must be below "
                              f"cluster.workers ({self.workers}): a job needs a rollout worker")

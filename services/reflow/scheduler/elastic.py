@@ -17,7 +17,8 @@ Flips run one at a time on the pool's thread; each is a scheduling event with
 its phases timed, and the job's record lists the workers by role.
 
 A worker other than the leader that dies leaves the pool (`worker_lost`): the
-job goes on with one worker fewer, as long as a rollout worker is left. Its
+job goes on with one worker fewer, as long as a rollout worker and
+cluster.min_workers workers are left. Its
 groups in flight go out again; the surviving engines take their places in a
 smaller weight-sync group; the leader is told which engines remain and which
 replicas, and drops a dead replica from its group at once (the step it broke is
@@ -195,6 +196,10 @@ class ElasticPool:
             roles[i] = "lost"
             if "rollout" not in roles[1:]:
                 raise FailedPrecondition(f"{name} was the job's last rollout worker")
+            left = len(roles) - roles.count("lost")
+            if left < self.spec.cluster.min_workers:
+                raise FailedPrecondition(f"{left} workers would be left, below "
+                                         f"cluster.min_workers={self.spec.cluster.min_workers}")
             self.roles[i] = self._planned[i] = "lost"
         started = time.monotonic()
         address = self.addresses[i]

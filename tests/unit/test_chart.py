@@ -218,9 +218,36 @@ def test_redis_fsyncs_every_write_when_told_and_refuses_other_policies():
                 chart.render({"redis": {"appendfsync": bad}}, name="rl", namespace="ml")
 
 
-def test_opt_in_servicemonitor_networkpolicy_and_dashboards_for_the_sidecar():
+def test_network_policy_is_on_by_default_and_lets_in_only_the_release_and_prometheus():
+    docs, _ = render({})
+    policies = by_kind(docs, "NetworkPolicy")
+    assert set(policies) == {"rl-reflow-internal", "rl-reflow-api"}
+    internal = policies["rl-reflow-internal"]["spec"]
+    release = {"app.kubernetes.io/name": "reflow", "app.kubernetes.io/instance": "rl"}
+    assert internal["podSelector"]["matchLabels"] == release
+    assert internal["policyTypes"] == ["Ingress"]
+    # Everything from the release's own pods; from elsewhere only /metrics, and only
+    # from the monitoring namespaces.
+    assert internal["ingress"][0] == {"from": [{"podSelector": {"matchLabels": release}}]}
+    assert internal["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert internal["ingress"][1]["from"] == [{"namespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    api = policies["rl-reflow-api"]["spec"]
+    assert api["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "api"
+    assert api["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    # What the user says may reach the API (an ingress controller's namespace).
+    ingress_ns = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "ingress-nginx"}}}]
+    docs, _ = render({"networkPolicy": {"apiIngressFrom": ingress_ns}})
+    assert by_kind(docs, "NetworkPolicy")["rl-reflow-api"]["spec"]["ingress"][0]["from"] == \
+        ingress_ns
+    docs, _ = render({"networkPolicy": {"enabled": False}})
+    assert not by_kind(docs, "NetworkPolicy")
+
+
+def test_opt_in_servicemonitor_and_dashboards_for_the_sidecar():
     docs, notes = render({})
-    assert not by_kind(docs, "ServiceMonitor") and not by_kind(docs, "NetworkPolicy")
+    assert not by_kind(docs, "ServiceMonitor")
     assert "curl" in notes and "/v1/jobs" in notes and "REFLOW_API_TOKEN" in notes
 
     docs, _ = render(yaml.safe_load((CHART / "ci" / "hardened-values.yaml").read_text()))

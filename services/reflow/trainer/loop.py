@@ -106,8 +106,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.last_regroup_s = 0.0
         self._pending_peers: list[str] | None = None
         self._membership_lock = threading.Lock()
-        # Replicas left out of the group (dead or failed) and the times it broke.
-        self.lost_peers: list[str] = []
+        # Times the group broke by a member's loss (trainer/membership.py).
         self.group_failures = 0
         # Engines of lost workers that left the job (trainer/membership.py).
         self._pending_engines: list[str] | None = None

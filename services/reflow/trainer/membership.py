@@ -131,8 +131,6 @@ class GroupMembership:
         finally:
             for client in clients.values():
                 client.close()
-        left_out = [a for a in peers if a not in ready]
-        self.lost_peers.extend(a for a in left_out if a not in self.lost_peers)
         return [a for a in peers if a in ready], epochs
 
     def _regroup_after(self, err: GroupBroken) -> None:

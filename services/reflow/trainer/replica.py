@@ -41,7 +41,6 @@ class TrainerReplica:
         self.step = 0
         self.epoch = 0
         self.steps_trained = 0
-        self.group_failures = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._loaded = threading.Event()
@@ -124,7 +123,6 @@ class TrainerReplica:
             if not self._stop.is_set():
                 logger.warning("job %s: replica left broken group of epoch %d: %s",
                                self.job_id, epoch, err)
-                self.group_failures += 1
                 self.state = "standby"
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
             if self._stop.is_set():

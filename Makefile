@@ -9,7 +9,7 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup system-deps security-lint run test test-fast protos manifests bench bench-trl-env clean
+.PHONY: setup system-deps security-lint lint image test-image run test test-fast protos manifests bench bench-trl-env clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,11 +35,28 @@ system-deps:
 security-lint: setup
 	$(PY) -m bandit -q -c pyproject.toml -r services
 
+# Pyflakes over the code and tests; the package's layers (.importlinter).
+lint: setup
+	$(VENV)/bin/ruff check services tests bench k8s
+	$(VENV)/bin/lint-imports
+
 run: setup
 	$(VENV)/bin/reflow run examples/quickstart.yaml
 
-test: setup system-deps security-lint
-	$(PY) -m pytest -q -ra tests
+test: setup system-deps security-lint lint
+	$(PY) -m pytest -q -ra -m "not image" tests
+
+# The CPU image, built with buildah (no Docker engine or registry; docker/build-image.sh),
+# and the test that runs it (the quickstart inside, read-only root, non-root user).
+image:
+	@command -v buildah >/dev/null && command -v debootstrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends buildah debootstrap >/dev/null; \
+	  else echo "install buildah and debootstrap: sudo apt-get install -y buildah debootstrap"; exit 1; fi; }
+	docker/build-image.sh
+
+test-image: setup
+	$(PY) -m pytest -q -ra -m image tests/image
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests

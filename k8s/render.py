@@ -4,7 +4,7 @@
     python k8s/render.py --check    # exit 1 when k8s/reflow.yaml is stale
 
 Rendered with k8s/values.yaml: release "reflow" in namespace "reflow", and
-existing Secrets for the API token and the Redis password, so no secret
+existing Secrets for the API token, the Redis password and the gRPC secrets, so no secret
 value is ever written into the manifests (k8s/README.md creates them).
 """
 
@@ -25,7 +25,7 @@ RELEASE, NAMESPACE = "reflow", "reflow"
 HEADER = """\
 # ReFlow plain Kubernetes manifests, rendered from charts/reflow with
 # k8s/values.yaml by `python k8s/render.py`. Do not edit by hand.
-# Apply: see k8s/README.md (create the namespace and two Secrets first).
+# Apply: see k8s/README.md (create the namespace and three Secrets first).
 """
 
 

@@ -4,9 +4,16 @@ tiny model built offline once per session."""
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
+
+# Every gRPC call carries the deployment credential (reflow.rpcauth). The test
+# process stands where the scheduler does, with the control credential; the
+# services it starts as processes inherit both.
+os.environ.setdefault("REFLOW_GRPC_CREDENTIAL", secrets.token_urlsafe(32))
+os.environ.setdefault("REFLOW_CONTROL_CREDENTIAL", secrets.token_urlsafe(32))
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -81,7 +81,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     Redis fsyncs its append-only file (replay.embedded.APPENDFSYNC)."""
     import httpx
 
-    from reflow import procs, rpc
+    from reflow import procs, rpc, rpcauth
     from reflow.replay.embedded import EmbeddedRedis
     from reflow.report import plot, read_metrics, summarize
     from reflow.scheduler.client import GrpcSchedulerClient
@@ -106,6 +106,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     phase = "FAILED"
     scheduler = None
     try:
+        # This run's gRPC secrets, inherited by every service it starts (rpcauth).
+        rpcauth.ensure_local_credentials()
         redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync).start()
         # A Redis that dies mid-run comes back on its port from its append-only file.
         redis.supervise()

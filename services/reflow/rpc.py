@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -30,6 +31,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from reflow import rpcauth
 from reflow.core.deadline import scope as deadline_scope
 from reflow.core.errors import Unavailable
 
@@ -226,11 +228,14 @@ def make_server(
     max_workers: int = MAX_WORKERS,
     long_methods: Iterable[str] = (),
     max_long_calls: int | None = None,
+    grants=None,
 ) -> tuple[grpc.Server, int]:
     """Build a server with the grpc.health.v1 service; returns it and the bound port.
     Several service names: one server hosts them all (the AsyncHybrid worker).
     `long_methods` ("/pkg.Service/Method") share `max_long_calls` handler threads
-    (default `MAX_LONG_CALLS`, at most half the pool)."""
+    (default `MAX_LONG_CALLS`, at most half the pool). Every call is authenticated
+    and authorized first (`rpcauth.Authorizer`; `grants`: where the server keeps
+    its job grants, the process's book by default), over TLS where configured."""
     names = (service_name,) if isinstance(service_name, str) else service_name
     limit = max_long_calls or min(MAX_LONG_CALLS, max_workers // 2)
     if not 1 <= limit < max_workers:
@@ -239,25 +244,51 @@ def make_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=names[0]),
         options=SERVER_OPTIONS,
-        interceptors=[guard, DeadlineScope()],
+        # Outermost first: the checks run within the caller's deadline (the replay's
+        # grants are in Redis), and a refused call takes no long-call slot.
+        interceptors=[DeadlineScope(), rpcauth.Authorizer(names, grants), guard],
     )
     server.long_call_guard = guard  # for tests and metrics
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    tls = rpcauth.TlsFiles.from_env()
+    port = (server.add_secure_port(address, tls.server_credentials()) if tls
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"{'+'.join(names)}: cannot bind {address}")
     server.start()
+    if tls is not None and os.environ.get(HEALTH_PORT_ENV):
+        # Kubelet's gRPC probe speaks plaintext: health alone, on a port of its own.
+        server.health_server = _serve_health(health_servicer, os.environ[HEALTH_PORT_ENV])
     for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("%s serving gRPC on port %d", "+".join(names), port)
     return server, port
 
 
+HEALTH_PORT_ENV = "REFLOW_GRPC_HEALTH_PORT"
+
+
+def _serve_health(health_servicer, port: str) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(f"0.0.0.0:{int(port)}") == 0:
+        raise OSError(f"{HEALTH_PORT_ENV}: cannot bind port {port}")
+    server.start()
+    return server
+
+
 def channel(address: str) -> grpc.Channel:
-    """Every client's channel: message limits, the retry policy, fast reconnects."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """Every client's channel: message limits, the retry policy, fast reconnects,
+    this process's credentials on every call (`rpcauth`), TLS where configured."""
+    tls = rpcauth.TlsFiles.from_env()
+    if tls is None:
+        raw = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        raw = grpc.secure_channel(address, tls.channel_credentials(), options=[
+            *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
+    return rpcauth.authenticated(raw)
 
 
 # Codes that say "not now" rather than "no": what a polling caller may tolerate.

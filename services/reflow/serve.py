@@ -10,7 +10,10 @@ operator ceilings, see core/limits.py), REFLOW_SCHEDULER_ADDRESS,
 REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api; without a token the
 API refuses to start unless given --insecure-no-auth), REFLOW_REDIS_APPENDFSYNC
 (the embedded Redis's fsync policy: everysec, the default, or always),
-REFLOW_METRICS_PORT (Prometheus /metrics of every service).
+REFLOW_METRICS_PORT (Prometheus /metrics of every service),
+REFLOW_GRPC_CREDENTIAL(_FILE), REFLOW_CONTROL_CREDENTIAL(_FILE) (scheduler and
+api) or REFLOW_CONTROL_CREDENTIAL_SHA256 (the others), REFLOW_TLS_* (see
+reflow.rpcauth).
 """
 
 from __future__ import annotations
@@ -66,12 +69,29 @@ def _start_metrics_server(registry) -> None:
         logger.info("metrics on :%s/metrics", port)
 
 
+def _check_credentials(name: str) -> None:
+    """Refuse to start without the secrets every gRPC call needs (reflow.rpcauth)."""
+    from reflow import rpcauth
+
+    try:
+        creds = rpcauth.credentials()
+    except (RuntimeError, ValueError, OSError) as err:
+        raise SystemExit(f"reflow serve {name}: {err}") from None
+    if name in ("api", "scheduler") and not creds.control:
+        raise SystemExit(f"reflow serve {name}: set {rpcauth.CONTROL_ENV} (or "
+                         f"{rpcauth.CONTROL_ENV}_FILE): this service gives the scheduler's orders")
+    if not creds.control_digest:
+        raise SystemExit(f"reflow serve {name}: set {rpcauth.CONTROL_DIGEST_ENV}, the digest of "
+                         "the scheduler's control credential, to take its orders by")
+
+
 def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = False) -> int:
     from reflow.procs import apply_cpu_affinity
 
     apply_cpu_affinity()
     address = f"{host}:{port}"
     embedded = None
+    _check_credentials(name)
     if name == "api":
         return _serve_api(host, port, insecure_no_auth)
     if insecure_no_auth:

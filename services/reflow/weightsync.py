@@ -10,8 +10,9 @@ the global default group, so the trainer's own data-parallel group (and
 vLLM's) are untouched. Tensors never travel through RPC arguments: only the
 metadata (names, shapes, dtypes) does, once, when the group is built.
 
-The worker-side functions run inside the vLLM worker process through
-`collective_rpc`; they take the worker as `self` and keep their state on it.
+The worker-side functions run inside the vLLM worker process, called by name
+through `collective_rpc` (rollout/vllm_worker.py mixes them into vLLM's worker);
+they take the worker as `self` and keep their state on it.
 
 Ranks: the trainer is 0, then every tensor-parallel worker of engine 0, then
 engine 1's, and so on (`RankPlan`). Each TP worker receives the whole model and
@@ -253,7 +254,7 @@ def receive_weights(
             offset += spec.numel
 
 
-# --- functions run inside the vLLM worker via collective_rpc -----------------
+# --- functions run inside the vLLM worker (rollout/vllm_worker.py) ------------
 
 
 def worker_init_weight_sync(

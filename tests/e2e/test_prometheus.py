@@ -3,7 +3,6 @@ expression in the shipped Grafana dashboards returns data. Also runs
 `promtool check metrics` on each service's exposition."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess

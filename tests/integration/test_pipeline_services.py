@@ -64,7 +64,7 @@ def test_short_job_trains_and_syncs_weights_exactly(redis_server, redis_client, 
     replay_addr = f"127.0.0.1:{replay_port}"
     rollout_addrs = [f"127.0.0.1:{port}" for _, port in rollout_servers]
     rollouts = [GrpcRolloutClient(addr) for addr in rollout_addrs]
-    rollout = rollouts[0]
+
     trainer = GrpcTrainerClient(f"127.0.0.1:{trainer_port}")
     replay = GrpcReplayClient(replay_addr)
     dispatcher = Dispatcher("it", spec, GrpcReplayClient(replay_addr),

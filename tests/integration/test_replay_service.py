@@ -3,6 +3,8 @@
 import time
 
 import grpc
+
+from reflow import rpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -24,7 +26,7 @@ def buffer(redis_server, redis_client):
 
 def test_health_service_reports_serving(buffer):
     _, port = buffer
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    with rpc.channel(f"127.0.0.1:{port}") as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="reflow.v1.ReplayBuffer"), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -45,7 +45,7 @@ POOL_SCRIPT = """
 """
 
 
-def test_a_reward_pool_turns_raising_hanging_and_nan_rewards_into_marked_results(plugin_path):
+def test_a_reward_pool_turns_raising_hanging_and_nan_rewards_into_marked_results(plugin_path):  # noqa: F811 - the fixture
     results = run_with_plugins(plugin_path, POOL_SCRIPT)
     assert [error for _, error, _ in results] == [
         "", "non_finite", "exception", "non_finite", "timeout", "", "non_finite"]
@@ -69,7 +69,7 @@ def _reward_errors(run_dir: Path, client: httpx.Client) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_a_job_with_failing_rewards_finishes_and_counts_them_by_reason(plugin_path, tmp_path,
+def test_a_job_with_failing_rewards_finishes_and_counts_them_by_reason(plugin_path, tmp_path,  # noqa: F811 - the fixture
                                                                         tiny_model):
     import torch
     from safetensors.torch import load_file

@@ -169,6 +169,45 @@ def test_specs_over_an_operator_ceiling_get_422_naming_field_and_ceiling(stack, 
     assert core.list()[0] == []
 
 
+def test_a_value_far_over_a_ceiling_names_the_configured_ceiling(stack, tmp_path):
+    client, core = stack
+    r = client.post("/v1/jobs", json=_spec(tmp_path) | {"trainer": {"num_steps": 3,
+                                                                    "batch_size": 10**12}},
+                    headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert "trainer.batch_size" in r.text and "ceiling of 256" in r.text
+    assert "REFLOW_MAX_BATCH_SIZE" in r.text
+    assert core.list()[0] == []
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_number_is_refused_as_such(stack, tmp_path, value):
+    client, core = stack
+    body = '{"model": {"path": "%s"}, "trainer": {"num_steps": 3, "learning_rate": %s}}' % (
+        _spec(tmp_path)["model"]["path"], value)
+    r = client.post("/v1/jobs", content=body, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert "trainer.learning_rate" in r.text and "finite" in r.text
+    assert "less than" not in r.text
+    assert core.list()[0] == []
+
+
+def test_auth_is_checked_before_the_body_and_bad_json_names_no_field(stack, tmp_path):
+    client, core = stack
+    broken = '{"model": {"path": '
+    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"}):
+        r = client.post("/v1/jobs", content=broken,
+                        headers={**headers, "content-type": "application/json"})
+        assert r.status_code == 401, r.text
+        assert "model" not in r.text
+    r = client.post("/v1/jobs", content=broken,
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json()["errors"][0]["field"] == "(body)"
+    assert "not valid JSON" in r.json()["detail"]
+    assert core.list()[0] == []
+
+
 def test_more_active_jobs_than_the_ceiling_get_429(stack, tmp_path):
     client, core = stack
     for i in range(LIMITS.max_active_jobs):

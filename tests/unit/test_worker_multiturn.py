@@ -9,7 +9,7 @@ from reflow.core.config import parse_job_spec
 from reflow.rollout.engine import TokenDelta
 from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.worker import RolloutWorker
-from reflow.tasks import TaskContext, build_task
+from reflow.tasks import build_task
 from reflow.tasks.chat import ChatRenderer
 from tests.unit.chat_tokenizer import build_chat_tokenizer
 from tests.unit.fake_engines import PausableEngine

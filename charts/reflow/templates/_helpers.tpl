@@ -107,3 +107,75 @@ tolerations:
 {{- define "reflow.replayPort" -}}50052{{- end -}}
 {{- define "reflow.workerPort" -}}50060{{- end -}}
 {{- define "reflow.apiPort" -}}8000{{- end -}}
+
+{{/* gRPC auth (reflow.rpcauth) and TLS */}}
+{{- define "reflow.grpcSecretName" -}}
+{{- default (printf "%s-grpc-auth" (include "reflow.fullname" .)) .Values.grpcAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "reflow.tlsSecretName" -}}
+{{- default (printf "%s-grpc-tls" (include "reflow.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+
+{{/* Env of a service: (dict "root" $ "control" true) for the scheduler and the API. */}}
+{{- define "reflow.grpcEnv" -}}
+- name: REFLOW_GRPC_CREDENTIAL_FILE
+  value: /var/run/secrets/reflow/grpc/credential
+{{- if .control }}
+- name: REFLOW_CONTROL_CREDENTIAL_FILE
+  value: /var/run/secrets/reflow/grpc/control
+{{- else }}
+- name: REFLOW_CONTROL_CREDENTIAL_SHA256
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "reflow.grpcSecretName" .root }}
+      key: control-sha256
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: REFLOW_TLS_CERT_FILE
+  value: /var/run/secrets/reflow/tls/tls.crt
+- name: REFLOW_TLS_KEY_FILE
+  value: /var/run/secrets/reflow/tls/tls.key
+- name: REFLOW_TLS_CA_FILE
+  value: /var/run/secrets/reflow/tls/ca.crt
+- name: REFLOW_TLS_SERVER_NAME
+  value: {{ .root.Values.tls.serverName | quote }}
+- name: REFLOW_GRPC_HEALTH_PORT
+  value: {{ include "reflow.grpcHealthPort" .root | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "reflow.grpcVolumeMounts" -}}
+- {name: grpc-auth, mountPath: /var/run/secrets/reflow/grpc, readOnly: true}
+{{- if .Values.tls.enabled }}
+- {name: grpc-tls, mountPath: /var/run/secrets/reflow/tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* Only the scheduler and the API mount the control credential. */}}
+{{- define "reflow.grpcVolumes" -}}
+- name: grpc-auth
+  secret:
+    secretName: {{ include "reflow.grpcSecretName" .root }}
+    items:
+      - {key: credential, path: credential}
+      {{- if .control }}
+      - {key: control, path: control}
+      {{- end }}
+{{- if .root.Values.tls.enabled }}
+- name: grpc-tls
+  secret:
+    secretName: {{ include "reflow.tlsSecretName" .root }}
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- end -}}
+
+{{/* Kubelet's gRPC probe speaks plaintext: with TLS on, services answer health
+checks (and nothing else) on a port of their own. */}}
+{{- define "reflow.grpcHealthPort" -}}50070{{- end -}}
+{{- define "reflow.grpcProbePort" -}}
+{{- if .root.Values.tls.enabled }}{{ include "reflow.grpcHealthPort" .root }}{{ else }}{{ .port }}{{ end -}}
+{{- end -}}

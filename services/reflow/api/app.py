@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from reflow.api.middleware import BodySizeLimit, RequestMetrics
+from reflow.api.middleware import BearerAuth, BodySizeLimit, RequestMetrics
 from reflow.core.config import JobSpec
 from reflow.core.errors import (
     Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
@@ -178,7 +178,12 @@ def _field_errors(err: RequestValidationError) -> list[dict[str, Any]]:
         loc = [str(p) for p in e.get("loc", ()) if p != "body"]
         msg = e.get("msg", "")
         field = ".".join(loc) or "(body)"
-        if e.get("type") == "extra_forbidden":
+        if e.get("type") == "json_invalid":
+            # Its location is a character offset into the body, not a field.
+            field = "(body)"
+            msg = f"not valid JSON ({e.get('ctx', {}).get('error', msg)}) at character {loc[0]}" \
+                if loc else "not valid JSON"
+        elif e.get("type") == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
         elif e.get("type") == "value_error":
             # Our validators name the exact field first ("replay.sampler: ...").
@@ -237,7 +242,10 @@ def create_app(scheduler, settings: ApiSettings,
             logger.critical(line)
     app = FastAPI(title="ReFlow", version="0.1.0",
                   description="Submit and watch replay-driven RL post-training jobs.")
+    # The last added runs first: metrics see every request, then the token is
+    # checked before the body is read (401 before 413 or 422).
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, token=settings.token)
     app.add_middleware(RequestMetrics, registry=registry or CollectorRegistry())
 
     @app.exception_handler(RequestValidationError)

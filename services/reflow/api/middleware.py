@@ -1,13 +1,51 @@
-"""ASGI middleware of the REST API: a request-body size cap and request
-metrics. Plain ASGI so that both see every request, including the ones the
-routes reject."""
+"""ASGI middleware of the REST API: the bearer token, a request-body size cap
+and request metrics. Plain ASGI so that each sees every request, including the
+ones the routes reject."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class BearerAuth:
+    """The API token on every request under `prefix`, checked before anything of
+    the request is read: a caller without it gets 401, never a validation error
+    that tells it about the body it sent. (The routes' own dependency documents
+    the scheme in the OpenAPI schema and checks again.)"""
+
+    CHALLENGE = b'Bearer realm="reflow"'
+
+    def __init__(self, app, token: str, prefix: str = "/v1") -> None:
+        self.app = app
+        self.token = token.encode()
+        self.prefix = prefix
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.token or not scope["path"].startswith(self.prefix):
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, presented = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not presented.strip():
+            return await _reject(send, 401, "missing bearer token; send 'Authorization: "
+                                            "Bearer <token>'", [(b"www-authenticate",
+                                                                 self.CHALLENGE)])
+        if not hmac.compare_digest(presented.strip(), self.token):
+            return await _reject(send, 401, "invalid bearer token", [
+                (b"www-authenticate", self.CHALLENGE + b', error="invalid_token"')])
+        return await self.app(scope, receive, send)
+
+
+async def _reject(send, status: int, detail: str, headers: list | None = None) -> None:
+    payload = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+        *(headers or []),
+    ]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 class BodySizeLimit:
@@ -26,7 +64,7 @@ class BodySizeLimit:
             try:
                 too_big = int(declared) > self.max_body_bytes
             except ValueError:
-                return await self._reject(send, 400, "content-length: not an integer")
+                return await _reject(send, 400, "content-length: not an integer")
             if too_big:
                 return await self._too_large(send)
         # Read the body up front (it is at most max_body_bytes) and replay it.
@@ -55,16 +93,8 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send) -> None:
-        await self._reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes; "
-                                      "a JobSpec is a few KiB")
-
-    @staticmethod
-    async def _reject(send, status: int, detail: str) -> None:
-        payload = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-        ]})
-        await send({"type": "http.response.body", "body": payload})
+        await _reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes; "
+                                 "a JobSpec is a few KiB")
 
 
 class RequestMetrics:

@@ -72,12 +72,13 @@ class RolloutConfig(_Section):
         "reward minus its group's mean, so a group of one always has advantage 0 and trains "
         "nothing."
     )
-    max_tokens: int = Field(default=64, ge=1, le=131072, description="Response length limit.")
+    # The ceilings of this and the fields below are the operator's (core/limits.py),
+    # checked where a job is submitted, so that a refusal names the one that applies.
+    max_tokens: int = Field(default=64, ge=1, description="Response length limit.")
     temperature: float = Field(default=1.0, gt=0.0, le=4.0, description="Sampling temperature.")
     max_inflight_samples: int | None = Field(
         default=64,
         ge=1,
-        le=1_048_576,
         description="Concurrency cap: most samples generating at once on a rollout worker; "
         "with scheduler.concurrency_control, where the adaptive cap starts. None: as many as "
         "the dispatch budget lets out (B_max x (1 + look-ahead) x sync_interval), as verl's "
@@ -87,12 +88,11 @@ class RolloutConfig(_Section):
     max_samples_per_step: int | None = Field(
         default=None,
         ge=1,
-        le=16_777_216,
         description="B_max: most samples dispatched to rollout per training step (paper §4.1 "
         "step 1). None: trainer.batch_size.",
     )
     kv_cache_gb: float = Field(
-        default=1.0, gt=0.0, le=1024.0, description="KV cache size for the vLLM engine (CPU)."
+        default=1.0, gt=0.0, description="KV cache size for the vLLM engine (CPU)."
     )
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
     length_schedule: list[LengthStage] = Field(
@@ -271,7 +271,8 @@ class SchedulerConfig(_Section):
         description="Lowest cap the controller may set. None: rollout.group_size.",
     )
     max_concurrency: int = Field(
-        default=512, ge=1, le=1_048_576, description="Highest cap the controller may set.",
+        default=512, ge=1, description="Highest cap the controller may set (at most the "
+        "operator's REFLOW_MAX_INFLIGHT_SAMPLES).",
     )
     concurrency_step: int | None = Field(
         default=None, ge=1, le=1_048_576,

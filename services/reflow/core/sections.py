@@ -17,4 +17,6 @@ PluginArgs = Annotated[
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN and infinity are refused as what they are ("finite number"), not by a bound
+    # they fail to compare with.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -11,10 +11,12 @@ class TrainerConfig(_Section):
     """Optimisation settings (paper §4.1 step 3)."""
 
     batch_size: int = Field(
-        default=64, ge=1, le=65536, description="b: trajectories per training step."
+        default=64, ge=1, description="b: trajectories per training step (at most the "
+        "operator's REFLOW_MAX_BATCH_SIZE, checked at submission)."
     )
-    num_steps: int = Field(default=100, ge=1, le=100_000_000,
-                           description="Training steps before the job ends.")
+    num_steps: int = Field(default=100, ge=1,
+                           description="Training steps before the job ends (at most the "
+                           "operator's REFLOW_MAX_NUM_STEPS).")
     learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     clip_eps: float = Field(

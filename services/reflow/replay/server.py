@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from reflow import rpc
+from reflow import rpc, rpcauth
 from reflow.core.config import ReplayConfig
 from reflow.replay.metrics import BufferMetrics
 from reflow.replay.store import ReplayStore
@@ -138,4 +138,6 @@ def serve(store: ReplayStore, address: str,
         max_workers=64,
         max_long_calls=48,
         long_methods=LONG_METHODS,
+        # Job grants beside the job's data: they outlive this process (rpcauth).
+        grants=rpcauth.RedisGrants(store.redis),
     )

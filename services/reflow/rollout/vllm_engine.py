@@ -6,8 +6,9 @@ KV cache recomputed, which equals a fresh run on prompt + partial response.
 Each loaded version is labelled in the engine (`label_weights`), which
 records per request which label sampled each token; a sample's version
 segments come from there.
-Weights arrive through `collective_rpc`, which runs the receive function in
-the engine's worker process (see reflow.weightsync).
+Weights arrive through `collective_rpc`, which calls a named method of the
+engine's workers (rollout/vllm_worker.py, vLLM's worker extension) with plain
+arguments; nothing is pickled, so vLLM's insecure serialization stays off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from collections.abc import AsyncIterator
 
 from reflow.rollout.engine import EngineLoad, SamplingSpec, TokenDelta, WeightSyncSpec
+from reflow.rollout.vllm_worker import EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +105,6 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
     ) -> None:
         self.tensor_parallel_size = tensor_parallel_size
-        # Functions sent through collective_rpc are pickled by reference.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
         executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor(tensor_parallel_size)
         if executor == "uni":
@@ -130,6 +130,8 @@ class VllmEngine:
             # Logprobs after temperature scaling: those of the distribution sampled from.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # Weight sync and KV-cache release, called by name (rollout/vllm_worker.py).
+            worker_extension_cls=EXTENSION,
         )
         # Our recorder replaces vLLM's periodic log line; it only keeps the numbers.
         self.load: EngineLoad | None = None
@@ -215,13 +217,11 @@ class VllmEngine:
 
     async def init_weight_sync(self, spec: WeightSyncSpec) -> None:
         """Every TP worker joins the group, each at spec.rank + its TP rank."""
-        from reflow.weightsync import worker_init_weight_sync
-
         if spec.tensor_parallel_size != self.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size: {spec.tensor_parallel_size} is not this "
                              f"engine's ({self.tensor_parallel_size})")
         await self._engine.collective_rpc(
-            worker_init_weight_sync,
+            "reflow_init_weight_sync",
             args=(
                 spec.master_address,
                 spec.master_port,
@@ -236,9 +236,7 @@ class VllmEngine:
         )
 
     async def receive_weights(self) -> float:
-        from reflow.weightsync import worker_receive_weights
-
-        results = await self._engine.collective_rpc(worker_receive_weights)
+        results = await self._engine.collective_rpc("reflow_receive_weights")
         return float(max(results))
 
     async def release_memory(self) -> dict[str, int]:
@@ -249,12 +247,10 @@ class VllmEngine:
         loading published versions and admits again without a reload. Returns
         bytes released and the engine process's resident memory before and after,
         summed over its workers."""
-        from reflow.weightsync import worker_release_kv_cache
-
         if not await self._engine.reset_prefix_cache():
             # A request still holds blocks: dropping their pages would corrupt it.
             raise RuntimeError("the engine still runs requests; its KV cache stays")
-        results = await self._engine.collective_rpc(worker_release_kv_cache)
+        results = await self._engine.collective_rpc("reflow_release_kv_cache")
         return {k: sum(int(r[k]) for r in results) for k in ("released", "rss_before", "rss_after")}
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import subprocess  # nosec B404 # only the Popen type; procs.spawn starts the processes
 
-from reflow import procs, rpc
+from reflow import procs, rpc, rpcauth
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ class LocalBackend:
                colocated: bool = False, log_name: str = ""):
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
         env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
-               **self._cpu_env(service, colocated)}
+               **self._cpu_env(service, colocated),
+               # The control credential stays here; a service verifies it by digest.
+               **rpcauth.service_env()}
         # Each service leads a process group that its processes (vLLM's engine core)
         # join: release() finds them even after the service itself died.
         return procs.spawn(args, str(log_dir / f"{log_name or service}.log"), env=env,

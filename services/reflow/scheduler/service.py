@@ -29,6 +29,7 @@ from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.tasks import build_task, check_task
 from reflow.core.errors import PermanentError
+from reflow.core.grants import JOB_TOKENS
 from reflow.scheduler.controller import JobController
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.inflight import DispatchLedger
@@ -284,6 +285,7 @@ class Scheduler(JobRecovery):
                 self._placements[record.job_id] = placement
             record.workers = placement.workers
             self.store.save(record)
+            self._grant(record.job_id, placement)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
             # Each rollout engine's place in the trainer's weight-sync group, as the
@@ -342,6 +344,20 @@ class Scheduler(JobRecovery):
                 record.finished_at = time.time()
                 self.store.save_final(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
+
+    def _grant(self, job_id: str, placement: Placement) -> None:
+        """The job's token (rpcauth), into this process's book: every call the
+        scheduler makes for the job carries it, and each service it reaches with
+        a control call holds it from then on. The replay buffer gets it first,
+        by a read, before the trainer configures the job there."""
+        JOB_TOKENS.put(job_id, self.store.job_token(job_id))
+        # Placed services are up: a buffer that does not answer within the channel's
+        # own retries (rpc.RETRY_POLICY, a few seconds) fails the job.
+        replay = GrpcReplayClient(placement.replay_address, retry_s=0.0)
+        try:
+            replay.stats(job_id)
+        finally:
+            replay.close()
 
     def _adoptable(self, pool: ElasticPool | None) -> bool:
         """Whether a job would run on untouched past this scheduler, to be re-adopted:

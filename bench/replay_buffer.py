@@ -114,6 +114,11 @@ def main() -> int:
     parser.add_argument("--data-dir", default=None,
                         help="where each Redis keeps its append-only file (default: a temp dir)")
     args = parser.parse_args()
+    from reflow import rpcauth
+
+    # gRPC secrets (reflow.rpcauth): the runs started here inherit them, and this
+    # process's own calls to their services carry them.
+    rpcauth.ensure_local_credentials()
     try:
         modes = [check_appendfsync(m.strip(), "--appendfsync")
                  for m in args.appendfsync.split(",")]

@@ -258,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cluster.state_handoff of every job and cold join: auto (same-host "
                         "shared memory on CPU) or broadcast (over the gloo group)")
     args = parser.parse_args(argv)
+    from reflow import rpcauth
+
+    # gRPC secrets (reflow.rpcauth): the runs started here inherit them, and this
+    # process's own calls to their services carry them.
+    rpcauth.ensure_local_credentials()
     from reflow import procs, rpc
     from reflow.core.config import parse_job_spec
     from reflow.models.tiny import ensure_model

@@ -3,6 +3,8 @@
 #   docker/build-image.sh [TAG]     (default localhost/reflow:cpu)
 # BASE_IMAGE       the image to build on; default localhost/reflow-base:bookworm,
 #                  made from Debian's packages (docker/base-image.sh) when missing.
+# CA_BUNDLE        the CA certificates pip trusts in the build (a build secret; default
+#                  the host's, which knows any TLS-intercepting proxy it goes through).
 # TORCH_WHEEL_DIR  a directory holding the torch 2.13.0 CPU wheel (default pip's
 #                  find-links, $PIP_FIND_LINKS); copied into docker/wheels/, after
 #                  which the PyTorch index is not asked (TORCH_INDEX= overrides).
@@ -22,7 +24,9 @@ if [ -n "$wheel_dir" ] && ls "$wheel_dir"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1
 fi
 start=$(date +%s)
 # No intermediate layers: with vfs storage each is a full copy of the tree.
+ca=${CA_BUNDLE:-${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}}
 buildah bud --layers=false -f docker/Dockerfile.cpu --build-arg BASE_IMAGE="$base" \
+  --secret id=pip_ca,src="$ca" \
   --build-arg TORCH_INDEX="${TORCH_INDEX-$index}" -t "$tag" .
 # The build stage's image is of no further use.
 buildah rmi --prune >/dev/null 2>&1 || true

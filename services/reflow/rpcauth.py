@@ -39,7 +39,6 @@ that name.
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import secrets
 import threading
@@ -51,8 +50,6 @@ import grpc
 
 from reflow.core.errors import Unavailable
 from reflow.core.grants import JOB_TOKENS, RedisGrants, digest
-
-logger = logging.getLogger(__name__)
 
 CREDENTIAL_ENV = "REFLOW_GRPC_CREDENTIAL"
 CONTROL_ENV = "REFLOW_CONTROL_CREDENTIAL"
@@ -181,9 +178,13 @@ def control_methods(service_names: Iterable[str]) -> frozenset[str]:
     pool = descriptor_pool.Default()
     names = set()
     for service in service_names:
-        methods = CONTROL_METHODS.get(service, {})
+        declared = {m.name for m in pool.FindServiceByName(service).methods}
+        methods = set(CONTROL_METHODS.get(service, {}))
         if "*" in methods:
-            methods = {m.name: "" for m in pool.FindServiceByName(service).methods}
+            methods = declared
+        if methods - declared:  # a misspelt name would protect nothing
+            raise ValueError(f"CONTROL_METHODS names {sorted(methods - declared)}, which "
+                             f"{service} does not declare")
         names.update(f"/{service}/{m}" for m in methods)
     return frozenset(names)
 
@@ -191,8 +192,8 @@ def control_methods(service_names: Iterable[str]) -> frozenset[str]:
 class Authorizer(grpc.ServerInterceptor):
     """Every call: the deployment credential (UNAUTHENTICATED without it), then the
     control credential for CONTROL_METHODS and calls naming no job, then the job
-    token of the job the request names (PERMISSION_DENIED without it). First in a
-    server's interceptors: a refused call takes no long-call slot."""
+    token of the job the request names (PERMISSION_DENIED without it). Before the
+    long-call guard: a refused call takes no long-call slot."""
 
     def __init__(self, service_names: Iterable[str], grants=None) -> None:
         self.creds = credentials()

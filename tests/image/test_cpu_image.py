@@ -65,7 +65,10 @@ root=$(mktemp -d)
 mount --bind {rootfs} "$root"
 mount -o remount,bind,ro "$root"
 mount -t proc proc "$root/proc"
+mount --bind /etc/hosts "$root/etc/hosts"
+mount --bind /etc/resolv.conf "$root/etc/resolv.conf"
 mount --rbind /dev "$root/dev"
+mount --rbind /sys "$root/sys"
 mount -t tmpfs -o mode=1777,size=8g tmpfs "$root/tmp"
 mount --bind {runs} "$root/tmp/runs" 2>/dev/null || {{ mkdir -p "$root/tmp/runs"; mount --bind {runs} "$root/tmp/runs"; }}
 mkdir -p "$root/tmp/examples" && mount --bind -o ro {REPO / 'examples'} "$root/tmp/examples"

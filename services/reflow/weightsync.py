@@ -214,7 +214,8 @@ def make_group(
     return SyncGroup(group, store)
 
 
-def _broadcast(group: SyncGroup, tensor: torch.Tensor) -> None:
+def broadcast_bucket(group: SyncGroup, tensor: torch.Tensor) -> None:
+    """Rank 0's `tensor` to every rank of `group` (one bucket of weights)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.group.broadcast([tensor], opts).wait()
@@ -233,7 +234,7 @@ def send_weights(
         flat = torch.cat([by_name[s.name].detach().reshape(-1) for s in bucket])
         if device is not None:
             flat = flat.to(device)
-        _broadcast(group, flat)
+        broadcast_bucket(group, flat)
         sent += flat.numel() * flat.element_size()
     return sent
 
@@ -247,7 +248,7 @@ def receive_weights(
     """Rank > 0: receive every bucket and yield (name, tensor) views into it."""
     for bucket in plan_buckets(specs, bucket_bytes):
         flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].torch_dtype, device=device)
-        _broadcast(group, flat)
+        broadcast_bucket(group, flat)
         offset = 0
         for spec in bucket:
             yield spec.name, flat[offset : offset + spec.numel].view(spec.shape)

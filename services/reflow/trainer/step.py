@@ -130,7 +130,8 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
     """Gradient of this rank's share of the batch, summed over the group, then one
     clipped optimizer step. Returns ((LossStats, grad_norm), per-sample stats);
     every rank returns the same. `reference`: the frozen initial model, needed
-    when `trainer.kl_coef` > 0."""
+    when `trainer.kl_coef` > 0. With an FSDP group (fsdp.ShardedGroup) `model`
+    is its root (fsdp.PolicyScorer) and FSDP sums the gradients."""
     kl_coef = spec.trainer.kl_coef
     if kl_coef > 0.0 and reference is None:
         raise ValueError("trainer.kl_coef > 0 needs the reference model; this trainer "
@@ -153,21 +154,35 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
     plan = [[mine[j] for j in chunk] for chunk in
             plan_micro_batches([lengths[i] for i in mine],
                                spec.trainer.max_tokens_per_micro_batch)]
+    # FSDP gathers each unit's parameters in a collective per forward and
+    # backward: every rank runs as many passes as the busiest, the extra ones on
+    # an empty micro-batch (trainer/fsdp.py).
+    sharded = getattr(group, "sharded", False)
+    if sharded:
+        plan += [[]] * (group.max_int(len(plan)) - len(plan))
+
+    def score(net, ids, mask):
+        if sharded and net is model:  # the FSDP root scores in its own forward
+            return net(ids, mask, temperature, chunk)
+        return sequence_logprobs(net, ids, mask, temperature, chunk)
+
     optimizer.zero_grad(set_to_none=True)
     # [loss, clip_fraction, approx_kl, ratio_mean, kl], then per sample (ratio, clipped):
     # summed across ranks with the gradients (each sample is computed by one rank).
     totals = torch.zeros(1 + len(STAT_NAMES) + 2 * len(trajectories), dtype=torch.float64)
     per_sample = totals[1 + len(STAT_NAMES):].view(len(trajectories), 2)
     for indices in plan:
+        if not indices:  # a pass that only keeps an FSDP group in step; adds nothing
+            ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+            (score(model, ids, torch.ones_like(ids)).sum() * 0.0).backward()
+            continue
         tb = collate([trajectories[i] for i in indices], pad_id, device)
         ref_logprobs = None
         if kl_coef > 0.0:
             with torch.no_grad():
-                ref_logprobs = sequence_logprobs(reference, tb.input_ids, tb.attention_mask,
-                                                 temperature, chunk)
+                ref_logprobs = score(reference, tb.input_ids, tb.attention_mask)
         # The engine sampled from softmax(logits / T); score under the same law.
-        new_logprobs = sequence_logprobs(model, tb.input_ids, tb.attention_mask,
-                                         temperature, chunk)
+        new_logprobs = score(model, tb.input_ids, tb.attention_mask)
         loss, stats = grpo_token_loss(
             new_logprobs, tb.old_logprobs, tb.advantages, tb.loss_mask,
             spec.trainer.clip_eps, sample_weights=weights[indices],
@@ -183,10 +198,15 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
             denom = tb.loss_mask.sum(-1).clamp(min=1.0)
             per_sample[indices, 0] = (ratio.sum(-1) / denom).double().cpu()
             per_sample[indices, 1] = (clipped.sum(-1) / denom).double().cpu()
-    if group is not None and group.world_size > 1:
+    if sharded:  # the gradients are reduce-scattered already, by FSDP
+        totals = group.all_reduce_sum(totals).cpu()
+        per_sample = totals[1 + len(STAT_NAMES):].view(len(trajectories), 2)
+    elif group is not None and group.world_size > 1:
         totals = group.sum_gradients(model, totals).cpu()
         per_sample = totals[1 + len(STAT_NAMES):].view(len(trajectories), 2)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # sharded gradients: a DTensor, the same on all
+        grad_norm = grad_norm.full_tensor()
     if torch.isfinite(grad_norm):
         optimizer.step()
     else:

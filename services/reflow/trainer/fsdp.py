@@ -1,0 +1,236 @@
+"""The trainer group with sharded state: FSDP2 (`fully_shard`) over the group's
+ranks, so each rank holds 1/N of the parameters, their gradients and AdamW's
+moments instead of all of them (paper §5: the trainer is FSDP).
+
+Each transformer block is its own FSDP unit and the root unit is a
+`PolicyScorer` around the Hugging Face model: the module whose forward is the
+trainer's whole scoring pass (step.sequence_logprobs), so the root's hooks
+gather the embedding, the final norm and the output head (tied or not) for the
+chunked log-probability path, which calls the base model and the head
+separately. Gradients are reduce-scattered summed, not averaged: the loss is
+already normalised by the whole batch's tokens on every rank (step.py), as the
+replicated group's summed all-reduce is.
+
+The group is this process's default torch.distributed group (FSDP2's
+DeviceMesh needs one), on its own TCPStore; a process holds at most one.
+Parameter FQNs are the Hugging Face model's own, so a sharded checkpoint and a
+replicated one name the same tensors and DCP re-shards either into any world
+size (trainer/checkpoint.py's format).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_STORE_PREFIX = "reflow-fsdp"
+
+
+class PolicyScorer(torch.nn.Module):
+    """The FSDP root: token log-probabilities of a batch under the policy in one
+    forward (step.sequence_logprobs), so every parameter the pass touches is
+    gathered by an FSDP hook first. Holds the model as `module` but reports
+    its parameters under the model's own names (`policy_state_dict`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                temperature: float = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
+        from reflow.trainer.step import sequence_logprobs
+
+        # A copy, not the view the chunked path returns: FSDP's pre-backward hook
+        # sits on the output, and an in-place op on a view would lose it.
+        return sequence_logprobs(self.module, input_ids, attention_mask, temperature,
+                                 chunk_tokens).clone()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (`model.layers` of its
+    base model), each an FSDP unit."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no `layers` in its base model; sharding "
+                         "needs the transformer blocks as a ModuleList")
+    return list(layers)
+
+
+def mixed_precision_for(device: torch.device):
+    """bf16 compute with fp32 gradient reduction where the device has bf16 matmuls
+    (a CUDA GPU of compute capability 8 or more); full fp32 elsewhere, so a CPU
+    group computes what the replicated trainer computes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_policy(model: torch.nn.Module, mesh, device: torch.device,
+                 cpu_offload: bool = False) -> PolicyScorer:
+    """`fully_shard` each block, then the root around the model; returns the root.
+    Every rank must call this with the same model (same weights: the same
+    checkpoint or seed), since each keeps its own slice of what it holds."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    options = dict(mesh=mesh, mp_policy=mixed_precision_for(device),
+                   offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    root = PolicyScorer(model)
+    fully_shard(root, **options)
+    # Sum, not mean: each rank's loss is its share of the whole batch's (step.py).
+    # A divide factor of 1 with sum-only collectives is a plain SUM reduce-scatter
+    # (gloo has no PREMUL_SUM, FSDP's op for a custom factor).
+    for unit in [*decoder_layers(model), root]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+@dataclass
+class ShardedGroup:
+    """One membership of an FSDP trainer group: the default process group of this
+    process and its one-dimensional device mesh. `sharded` tells step.compute_step
+    that FSDP reduces the gradients and that every rank must run as many
+    forward/backward passes as the others."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: object
+    sharded: bool = True
+
+    @classmethod
+    def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
+              device: torch.device, timeout_s: float = 600.0) -> ShardedGroup:
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a trainer group; close it first")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                              timeout=timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore(_STORE_PREFIX, store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+        mesh = init_device_mesh(device.type, (world_size,))
+        return cls(rank, world_size, device, mesh)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(self.device)
+        dist.all_reduce(out)
+        return out
+
+    def max_int(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def policy_parameters(root: PolicyScorer) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) under the Hugging Face model's names, a tied weight once."""
+    seen: set[int] = set()
+    named = []
+    for name, p in root.module.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            named.append((name, p))
+    return named
+
+
+def gathered_buckets(root: PolicyScorer, bucket_bytes: int
+                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The whole parameters, gathered from the shards a bucket at a time
+    (`full_tensor()` per parameter; a parameter larger than a bucket alone):
+    never more than one bucket of gathered weights exists at once, beyond this
+    rank's own shard. Every rank must iterate to the end (each gather is a
+    collective); the caller drops a bucket before asking for the next."""
+    from torch.distributed.tensor import DTensor
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    with torch.no_grad():
+        for name, p in policy_parameters(root):
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
+def policy_state(root: PolicyScorer, optimizer: torch.optim.Optimizer):
+    """The model and optimizer state under the Hugging Face model's names (the
+    replicated trainer's checkpoint keys), each tensor this rank's shard: what
+    torch.distributed.checkpoint saves and loads, re-sharding on load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(root.module, optimizer)
+
+
+def load_policy_state(root: PolicyScorer, optimizer: torch.optim.Optimizer,
+                      model_state, optim_state) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(root.module, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optim_state)
+
+
+def send_sharded_weights(root: PolicyScorer, sync_group, bucket_bytes: int) -> int:
+    """Weight sync from shards (paper §4.1 step 4): every rank of the FSDP group
+    gathers the parameters bucket by bucket, in weightsync's bucket plan of the
+    whole tensors, and rank 0, which holds the weight-sync group (`sync_group`;
+    None elsewhere), broadcasts each bucket to the engines, who receive it as
+    from a replicated trainer (weightsync.receive_weights). A bucket's gathered
+    tensors are copied into its flat buffer one at a time and dropped, so the
+    extra memory is one bucket plus one parameter on rank 0 and one parameter
+    elsewhere. Returns the bytes broadcast."""
+    from torch.distributed.tensor import DTensor
+
+    from reflow.weightsync import broadcast_bucket, plan_buckets, specs_of
+
+    named = policy_parameters(root)
+    by_name = dict(named)
+    sent = 0
+    with torch.no_grad():
+        for bucket in plan_buckets(specs_of(named), bucket_bytes):
+            flat = None
+            if sync_group is not None:
+                flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].torch_dtype,
+                                   device=root_device(root))
+            offset = 0
+            for spec in bucket:
+                p = by_name[spec.name]
+                whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                if flat is not None:
+                    flat[offset:offset + spec.numel].copy_(whole.reshape(-1))
+                offset += spec.numel
+                del whole
+            if flat is not None:
+                broadcast_bucket(sync_group, flat)
+                sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def root_device(root: PolicyScorer) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    p = next(root.parameters())
+    return p.to_local().device if isinstance(p, DTensor) else p.device

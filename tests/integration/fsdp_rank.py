@@ -1,0 +1,190 @@
+"""One rank of an FSDP trainer group, as its own process (FSDP2 needs the
+process's default torch.distributed group): trains a few steps on the same
+batches as a single unsharded trainer and writes what the test compares.
+
+    python -m tests.integration.fsdp_rank MODEL OUT PORT RANK WORLD [--resume DIR]
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("port", type=int)
+    ap.add_argument("rank", type=int)
+    ap.add_argument("world", type=int)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--save", default="")
+    ap.add_argument("--resume", default="")
+    args = ap.parse_args()
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from reflow.core.config import parse_job_spec
+    from reflow.trainer import fsdp
+    from reflow.trainer.step import compute_step
+    from tests.unit.test_micro_batches import _trajectories
+
+    torch.manual_seed(0)
+    spec = parse_job_spec({"model": {"path": args.model},
+                           "trainer": {"max_grad_norm": 1e6, "max_tokens_per_micro_batch": 64,
+                                       "logprob_chunk_tokens": 16},
+                           "replay": {"replay_weight": 0.5}})
+    cpu = torch.device("cpu")
+
+    def fresh():
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                     local_files_only=True)
+        return model
+
+    def optimizer_of(params):
+        return torch.optim.AdamW(params, lr=spec.trainer.learning_rate,
+                                 weight_decay=spec.trainer.weight_decay)
+
+    vocab = fresh().config.vocab_size
+    batches = [_trajectories(13, vocab) for _ in range(args.steps)]  # 13: uneven over ranks
+
+    group = fsdp.ShardedGroup.build("127.0.0.1", args.port, args.rank, args.world, cpu, 120.0)
+    root = fsdp.shard_policy(fresh(), group.mesh, cpu)
+    opt = optimizer_of(root.parameters())
+    report = {"rank": args.rank}
+    if args.resume:
+        model_state, optim_state = fsdp.policy_state(root, opt)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=args.resume)
+        fsdp.load_policy_state(root, opt, state["model"], state["optimizer"])
+    else:
+        single = fresh()
+        single_opt = optimizer_of(single.parameters())
+        for trajectories in batches:
+            compute_step(single, single_opt, spec, trajectories, 0, cpu)
+            compute_step(root, opt, spec, trajectories, 0, cpu, group=group)
+        reference = dict(single.named_parameters())
+    # Per-rank bytes of parameters and AdamW state held (local shards).
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    held = sum(local(p).numel() * local(p).element_size() for p in root.parameters())
+    held += sum(local(v).numel() * local(v).element_size() for s in opt.state.values()
+                for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    report["held_bytes"] = held
+    diffs, peak_bucket, params = {}, 0, {}
+    bucket_bytes = 64 * 1024
+    for bucket in fsdp.gathered_buckets(root, bucket_bytes):
+        peak_bucket = max(peak_bucket, sum(t.numel() * t.element_size() for _, t in bucket))
+        for name, t in bucket:
+            params[name] = t.clone()
+            if not args.resume:
+                diffs[name] = float((t - reference[name].detach()).abs().max())
+    report.update(max_abs_diff=max(diffs.values()) if diffs else None,
+                  peak_bucket_bytes=peak_bucket, bucket_bytes=bucket_bytes,
+                  largest_param_bytes=max(t.numel() * t.element_size()
+                                          for t in params.values()))
+    if not args.resume:
+        report.update(_sync_to_an_engine(root, params, group.rank, bucket_bytes))
+    if args.save:
+        model_state, optim_state = fsdp.policy_state(root, opt)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=args.save)
+    # The optimizer's first moments, whole, under the model's names.
+    _, optim_state = fsdp.policy_state(root, opt)
+    exp_avg = {name: s["exp_avg"].full_tensor() if isinstance(s["exp_avg"], DTensor)
+               else s["exp_avg"] for name, s in optim_state["state"].items()}
+    if args.rank == 0:
+        torch.save({"exp_avg": exp_avg, "params": params}, f"{args.out}.pt")
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    group.close()
+
+
+class LiveBytes:
+    """Bytes of tensors created inside the block and still alive, and their peak:
+    a CPU stand-in for torch.cuda.max_memory_allocated, counted per storage."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.live = self.peak = 0
+        self._storages: dict[int, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        tracker._track(t)
+                return out
+
+        self.mode = Mode()
+
+    def _track(self, t: torch.Tensor) -> None:
+        import weakref
+
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
+            return
+        if not storage.nbytes() or key in self._storages:
+            return
+        self._storages[key] = storage.nbytes()
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._storages.pop(key, 0)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _sync_to_an_engine(root, params, rank, bucket_bytes) -> dict:
+    """Rank 0 broadcasts the gathered weights to one receiver (an engine's side of
+    weight sync, on a thread here); returns whether it got the trained weights
+    and the extra bytes alive at once during the send."""
+    import threading
+
+    from reflow.procs import free_port
+    from reflow.trainer import fsdp
+    from reflow.weightsync import make_group, receive_weights, specs_of
+
+    specs = specs_of(fsdp.policy_parameters(root))
+    received = {}
+    sync = receiver = None
+    if rank == 0:
+        port = free_port()
+
+        def engine():
+            group = make_group("127.0.0.1", port, 1, 2, "gloo", 60.0)
+            for name, t in receive_weights(group, specs, bucket_bytes, torch.device("cpu")):
+                received[name] = t.clone()
+
+        receiver = threading.Thread(target=engine)
+        receiver.start()
+        sync = make_group("127.0.0.1", port, 0, 2, "gloo", 60.0)
+    with LiveBytes() as live:
+        fsdp.send_sharded_weights(root, sync, bucket_bytes)
+    out = {"sync_peak_extra_bytes": live.peak}
+    if receiver is not None:
+        receiver.join()
+        out["engine_has_trained_weights"] = (received.keys() == params.keys() and all(
+            torch.equal(received[n], params[n]) for n in params))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ run: setup
 	$(VENV)/bin/reflow run examples/quickstart.yaml
 
 test: setup system-deps security-lint lint
-	$(PY) -m pytest -q -ra -m "not image" tests
+	$(PY) -m pytest -q -ra --durations=30 -m "not image" tests
 
 # The CPU image, built with buildah (no Docker engine or registry; docker/build-image.sh),
 # and the test that runs it (the quickstart inside, read-only root, non-root user).

@@ -3,7 +3,8 @@ SIGKILLed and started again on its port and data dir is ridden out by the
 buffer's Redis retries (and counted); a Redis that stays down is answered
 UNAVAILABLE, in time for the caller's deadline; a gRPC server SIGKILLed and
 started again on its port is ridden out by the channel's retry policy; a
-dispatcher whose buffer went away ends in one line, not a traceback; and a job's
+dispatcher whose buffer went away ends in one line, not a traceback; calls
+cancelled by a stopping buffer are retried into its restart; and a job's
 final record survives a Redis restart, its save never raising."""
 
 import logging
@@ -259,6 +260,43 @@ def test_a_dispatcher_whose_buffer_went_away_ends_in_one_line(redis_server, redi
     finally:
         dispatcher.stop(timeout_s=2)
         replay.close()
+
+
+def test_calls_cancelled_by_a_stopping_buffer_are_retried_into_its_restart(redis_server):
+    """A buffer stopping cancels the calls it is serving (CANCELLED, not UNAVAILABLE;
+    about one stop in three catches a call in flight): the client takes that as the
+    restart it is, not as an error of the call."""
+    store = ReplayStore.from_url(redis_server.url)
+    store.configure("cancelled", ReplayConfig())
+    server, port = serve(store, "127.0.0.1:0")
+    client = GrpcReplayClient(f"127.0.0.1:{port}", deadline_s=30, retry_s=30)
+    calls: list[int] = []
+    errors: list[Exception] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        try:
+            while not stop.is_set():
+                client.stats("cancelled")
+                calls.append(1)
+        except Exception as err:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(err)
+
+    caller = threading.Thread(target=hammer)
+    caller.start()
+    try:
+        for _ in range(10):
+            time.sleep(0.3)
+            server.stop(0)
+            server, _ = serve(store, f"127.0.0.1:{port}")
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        caller.join(30)
+        client.close()
+        server.stop(0)
+    assert not errors, errors
+    assert len(calls) > 10
 
 
 def test_a_job_s_final_save_rides_out_a_redis_restart_and_never_raises(own_redis, monkeypatch,

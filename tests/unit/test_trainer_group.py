@@ -12,7 +12,7 @@ import torch
 from reflow.core.config import parse_job_spec
 from reflow.core.types import Batch
 from reflow.trainer.client import TrainerStatus
-from reflow.trainer.dp import shard_indices
+from reflow.trainer.dp import GroupBroken, shard_indices
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.replica import TrainerReplica
 
@@ -277,3 +277,33 @@ def test_a_descriptor_naming_a_file_that_is_not_a_trainer_memfd_is_not_copied(tm
     finally:
         os.close(fd)
     assert not target.any()
+
+
+class _GoneClient(_ReplicaClient):
+    """A replica whose worker died: its status call fails."""
+
+    def status(self, job_id):
+        raise ConnectionError("connection refused")
+
+
+def test_a_replica_left_out_is_abandoned_only_when_it_is_gone(tiny_model):
+    spec = _spec(tiny_model)
+    leader = _leader(spec)
+    replica = _replica(spec, "replica-c:1")
+    leader.reconfigure(["replica-c:1"])
+    leader.apply_membership()
+    _wait(lambda: replica.state == "training")
+    group = leader.group
+    # A role flip: the replica still answers as a member and stays to the boundary.
+    leader.reconfigure([])
+    _wait(lambda: not [t for t in threading.enumerate() if t.name == "job-liveness"])
+    assert not group.abandoned.is_set()
+    # Its worker died: the step it would hold up ends now.
+    leader._trainer_client_factory = _GoneClient
+    leader.reconfigure([])
+    _wait(group.abandoned.is_set)
+    assert "replica replica-c:1 unreachable (ConnectionError)" in group.abandon_reason
+    with pytest.raises(GroupBroken, match="abandoned"):
+        group.send_command("train", 1)
+    leader._regroup_after(GroupBroken("test"))  # the rebuild: the leader alone
+    assert leader.group is None and leader.peers == []

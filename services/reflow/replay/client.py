@@ -138,14 +138,19 @@ class GrpcReplayClient(ReplayClient):
                 if self._closed.is_set():  # CANCELLED by close() while in flight
                     raise Unavailable(f"replay buffer {self.address}: {method} cut short by "
                                       "close()") from None
-                retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                # CANCELLED that close() did not cause is the server's: a buffer
+                # stopping cancels the calls in flight, so it is a restart like
+                # UNAVAILABLE (a put is idempotent by group id).
+                retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             grpc.StatusCode.CANCELLED)
                 if code in retryable and time.monotonic() + delay <= give_up:
                     logger.warning("replay buffer %s: %s (%s); retrying", self.address,
                                    code.name, method)
                     self._closed.wait(delay)  # close() ends the wait
                     delay = min(delay * 2, 2.0)
                     continue
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.CANCELLED):
                     raise Unavailable(f"replay buffer {self.address}: {method}: {code.name}: "
                                       f"{err.details()}") from err
                 raise

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,8 @@ def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.
 
 class GroupBroken(TemporaryError):
     """A collective of the trainer group failed: a peer died (its sockets closed),
-    aborted the group, or timed out. Raised before any rank's optimizer step of
+    aborted the group, timed out, or was found gone while this rank waited for it
+    (`TrainerGroup.abandon`). Raised before any rank's optimizer step of
     the batch (the gradient all-reduce is the step's last collective), so the
     leader can rebuild the group from the ranks still there and train the same
     batch again (TrainLoop._group_broken)."""
@@ -84,6 +86,10 @@ class TrainerGroup:
     world_size: int
     epoch: int
     device: torch.device
+    # Set when a member is known gone (TrainLoop.reconfigure found it unreachable):
+    # a collective waiting for it ends now, not after the group's timeout.
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    abandon_reason: str = ""
 
     @classmethod
     def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
@@ -101,10 +107,34 @@ class TrainerGroup:
         if group is None:
             raise GroupBroken(f"trainer group epoch {self.epoch} was aborted")
         try:
-            start(group).wait()
+            work = start(group)
+            # Not held by this frame (which a GroupBroken's traceback keeps) while
+            # waiting: whoever drops the group last runs gloo's blocking destructor.
+            del group
+            self._await(work, what)
         except RuntimeError as err:  # gloo's and NCCL's errors, timeouts included
             raise GroupBroken(f"trainer group epoch {self.epoch}: {what} failed: "
                               f"{type(err).__name__}: {err}"[:1000]) from err
+
+    def _await(self, work, what: str) -> None:
+        """The work's end, or the group's abandonment. A peer that died does not
+        always fail the collective waiting for it: gloo noticed the closed socket of
+        a killed replica only at the group's timeout (measured, the leader inside a
+        broadcast), and a frozen host closes none. So the wait polls, from 0.1 ms
+        (a collective on one host is over in about that) up to 20 ms."""
+        delay = 1e-4
+        while not work.is_completed():
+            if self.abandoned.wait(delay):
+                raise GroupBroken(f"trainer group epoch {self.epoch}: {what} abandoned: "
+                                  f"{self.abandon_reason}"[:1000])
+            delay = min(2 * delay, 0.02)
+        work.wait()
+
+    def abandon(self, reason: str) -> None:
+        """A member is gone: the collective this rank waits in, and every later one,
+        raises GroupBroken. Called from any thread."""
+        self.abandon_reason = reason
+        self.abandoned.set()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -118,8 +148,15 @@ class TrainerGroup:
 
     def abort(self) -> None:
         """Close the group now (weightsync.SyncGroup.abort): every peer still in one
-        of its collectives fails at once instead of after the group's timeout."""
-        self.sync.abort()
+        of its collectives fails at once instead of after the group's timeout. An
+        abandoned group is closed on a thread of its own: gloo's destructor waits
+        for the collective still waiting on the gone member, which ends only at the
+        group's timeout."""
+        if self.abandoned.is_set():
+            threading.Thread(target=self.sync.abort, daemon=True,
+                             name=f"abandoned-group-{self.epoch}").start()
+        else:
+            self.sync.abort()
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         # On the group's device: NCCL moves CUDA tensors only.

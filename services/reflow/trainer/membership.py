@@ -17,6 +17,7 @@ from the scheduler, which knows which worker died).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from reflow.procs import free_port
@@ -47,10 +48,46 @@ class GroupMembership:
 
     def reconfigure(self, peers: list[str]) -> int:
         """The group's next replicas besides this leader; applied at the next step
-        boundary after a publish (`apply_membership`). Returns the epoch it takes."""
+        boundary after a publish (`apply_membership`). Returns the epoch it takes.
+        A replica of the current group left out is asked whether it is still there
+        (`_abandon_if_gone`): one that left by a role flip is, and stays in the
+        group to that boundary; one whose worker died ends the step it holds up."""
         with self._membership_lock:
             self._pending_peers = list(peers)
-            return self.membership_epoch + 1
+            epoch = self.membership_epoch + 1
+        self._check_dropped()
+        return epoch
+
+    def _check_dropped(self) -> None:
+        """Ask the current group's replicas that a pending membership leaves out
+        whether they are still there, on a thread of its own."""
+        with self._membership_lock:
+            group, pending = self.group, self._pending_peers
+            dropped = [a for a in self.peers if pending is not None and a not in pending]
+        if group is not None and dropped:
+            threading.Thread(target=self._abandon_if_gone, args=(group, dropped), daemon=True,
+                             name=f"{self.job_id}-liveness").start()
+
+    def _abandon_if_gone(self, group: TrainerGroup, addresses: list[str]) -> None:
+        """Abandon `group` if a replica of it in `addresses` does not answer as one
+        of its members: its step would otherwise wait for the dead member until the
+        group's timeout (trainer/dp.py TrainerGroup._await)."""
+        for address in addresses:
+            client = self._peer_client(address)
+            try:
+                status = client.status(self.job_id)
+                gone = (status.state not in ("training", "joining")
+                        or status.membership_epoch != group.epoch)
+                reason = f"replica {address} is {status.state} in epoch {status.membership_epoch}"
+            except Exception as err:  # noqa: BLE001 - unreachable: its worker is gone
+                gone, reason = True, f"replica {address} unreachable ({type(err).__name__})"
+            finally:
+                client.close()
+            if gone:
+                logger.warning("job %s: trainer group epoch %d abandoned: %s", self.job_id,
+                               group.epoch, reason)
+                group.abandon(reason)
+                return
 
     def _peer_client(self, address: str):
         from reflow.trainer.client import GrpcTrainerClient
@@ -94,6 +131,8 @@ class GroupMembership:
             self.group = group
         with self._membership_lock:
             self.peers, self.membership_epoch = peers, epoch
+        # A worker lost while this group formed: its reconfigure saw the old group.
+        self._check_dropped()
         self.last_regroup_s = time.monotonic() - started
         logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
                     1 + len(peers), self.last_regroup_s,

@@ -94,6 +94,19 @@ class RolloutConfig(_Section):
     kv_cache_gb: float = Field(
         default=1.0, gt=0.0, description="KV cache size for the vLLM engine (CPU)."
     )
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0.0, le=0.98,
+        description="vLLM's share of each GPU (its weights and KV cache). None: vLLM's "
+        "default (0.9) where the engine has its GPU alone; on an elastic pool's worker, all "
+        "that the warm trainer half (weights, gradients, AdamW) and 5 % headroom leave "
+        "(rollout/memory.py). Set, it is checked against the trainer half at start.")
+    sleep_mode: Literal["auto", "off"] = Field(
+        default="auto",
+        description="`auto`: an elastic pool's GPU engine sleeps while its worker holds the "
+        "trainer role (vLLM sleep level 1: KV cache dropped, weights to host memory, woken "
+        "for each weight update), so the trainer's activations get the KV cache's memory. "
+        "On CPU the standby engine drops its KV cache's pages instead. `off`: it keeps its "
+        "memory.")
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
     length_schedule: list[LengthStage] = Field(
         default_factory=list, max_length=1000,

@@ -160,5 +160,8 @@ class GenerationEngine(Protocol):
     # Optional: `async def release_memory(self) -> dict[str, int]` hands an idle
     # engine's KV cache memory back to the host (a worker going to standby,
     # paper §5); engines without it keep their memory.
+    # Optional: `async def restore_memory(self) -> None` brings back what
+    # `release_memory` gave away, when the worker leaves standby (a sleeping GPU
+    # engine wakes, rollout/memory.py).
 
     def shutdown(self) -> None: ...

@@ -14,6 +14,7 @@ from reflow.core.errors import FailedPrecondition
 from reflow.core.paths import PathRoots
 from reflow.replay.client import GrpcReplayClient, ReplayClient
 from reflow.rollout.engine import WeightSyncSpec
+from reflow.rollout.memory import ModelShape, plan_hybrid_gpu
 from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.records import RolloutCounters, SampleEvent, WeightUpdate
 from reflow.rollout.worker import RolloutWorker
@@ -31,16 +32,34 @@ def worker_seed(spec: JobSpec, weight_sync_rank: int) -> int:
     return (spec.seed + 1_000_003 * (weight_sync_rank - 1)) % (2**31 - 1)
 
 
+def engine_memory(spec: JobSpec) -> tuple[float | None, bool]:
+    """vLLM's share of this GPU and whether the engine sleeps on standby: on an
+    elastic pool's worker, sized with its warm trainer half (rollout/memory.py);
+    on CPU neither applies (None, False)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, False
+    if spec.cluster.workers is None:
+        return spec.rollout.gpu_memory_utilization, False
+    plan = plan_hybrid_gpu(torch.cuda.mem_get_info()[1], ModelShape.read(spec.model.path), spec)
+    logger.info("GPU memory of this AsyncHybrid worker (GiB): %s", plan.as_record())
+    return plan.engine_utilization, plan.sleep_mode
+
+
 def _vllm_factory(spec: JobSpec, seed: int | None = None):
     def build():
         from reflow.rollout.vllm_engine import VllmEngine
 
+        utilization, sleep_mode = engine_memory(spec)
         return VllmEngine(
             spec.model.path,
             dtype=spec.model.dtype,
             kv_cache_gb=spec.rollout.kv_cache_gb,
             seed=spec.seed if seed is None else seed,
             tensor_parallel_size=spec.rollout.tensor_parallel_size,
+            gpu_memory_utilization=utilization,
+            sleep_mode=sleep_mode,
         )
 
     return build

@@ -18,6 +18,7 @@ import os
 from collections.abc import AsyncIterator
 
 from reflow.rollout.engine import EngineLoad, SamplingSpec, TokenDelta, WeightSyncSpec
+from reflow.rollout.memory import EngineSleep
 from reflow.rollout.vllm_worker import EXTENSION
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,12 @@ class VllmEngine:
         max_model_len: int | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float | None = None,
+        sleep_mode: bool = False,
     ) -> None:
+        """On a GPU: `gpu_memory_utilization` (None: vLLM's default) and
+        `sleep_mode` (vLLM's sleep around standby, rollout/memory.py); on CPU
+        neither applies and the KV cache is `kv_cache_gb`."""
         self.tensor_parallel_size = tensor_parallel_size
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
         executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor(tensor_parallel_size)
@@ -132,6 +138,9 @@ class VllmEngine:
             disable_log_stats=True,
             # Weight sync and KV-cache release, called by name (rollout/vllm_worker.py).
             worker_extension_cls=EXTENSION,
+            enable_sleep_mode=sleep_mode,
+            **({"gpu_memory_utilization": gpu_memory_utilization}
+               if gpu_memory_utilization is not None else {}),
         )
         # Our recorder replaces vLLM's periodic log line; it only keeps the numbers.
         self.load: EngineLoad | None = None
@@ -145,6 +154,7 @@ class VllmEngine:
         os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
         with engine_process_affinity():
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+        self._sleep = EngineSleep(self._engine) if sleep_mode else None
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -236,6 +246,10 @@ class VllmEngine:
         )
 
     async def receive_weights(self) -> float:
+        if self._sleep is not None:
+            # A sleeping engine's weights are in host memory: back first, so the
+            # broadcast loads into the tensors vLLM runs on.
+            await self._sleep.weights_for_update()
         results = await self._engine.collective_rpc("reflow_receive_weights")
         return float(max(results))
 
@@ -246,12 +260,29 @@ class VllmEngine:
         since the cached blocks' contents go. Weights stay, so the engine keeps
         loading published versions and admits again without a reload. Returns
         bytes released and the engine process's resident memory before and after,
-        summed over its workers."""
+        summed over its workers. With sleep mode (a GPU engine of an elastic
+        pool) the engine sleeps instead (memory.EngineSleep), and the figures are
+        the GPU's free memory before and after."""
+        if self._sleep is not None:
+            import torch
+
+            before = torch.cuda.mem_get_info()[0]
+            await self._sleep.sleep()
+            after = torch.cuda.mem_get_info()[0]
+            return {"released": after - before, "rss_before": before, "rss_after": after}
         if not await self._engine.reset_prefix_cache():
             # A request still holds blocks: dropping their pages would corrupt it.
             raise RuntimeError("the engine still runs requests; its KV cache stays")
         results = await self._engine.collective_rpc("reflow_release_kv_cache")
         return {k: sum(int(r[k]) for r in results) for k in ("released", "rss_before", "rss_after")}
+
+    async def restore_memory(self) -> None:
+        """Leaving standby: a sleeping engine wakes (its KV cache, and its weights
+        unless an update brought them back). CPU pages dropped by
+        `release_memory` come back as the cache is written, so there is nothing
+        to do there."""
+        if self._sleep is not None:
+            await self._sleep.wake()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -240,6 +240,8 @@ class RolloutWorker(WeightSyncMixin):
         budget; the partial tokens are discarded), or waits up to `drain_timeout_s`
         for them to finish into the buffer as usual. Returns the samples still
         generating when it returns."""
+        if not standby:
+            self._restore_memory()  # before admitting again
         self.standby = standby
         if standby and hand_back and self.state == "running":
             self.returned_groups_total += self.call(self._hand_back(), 60.0)
@@ -269,6 +271,13 @@ class RolloutWorker(WeightSyncMixin):
                         self.last_release["rss_after"] / 2**20)
         except Exception as err:  # noqa: BLE001 - the memory stays; nothing else changes
             logger.warning("standby: the engine kept its memory (%s)", err)
+
+    def _restore_memory(self) -> None:
+        """Back from standby: what the engine released returns before it admits
+        (a sleeping GPU engine wakes)."""
+        restore = getattr(self.engine, "restore_memory", None)
+        if restore is not None and self.state == "running":
+            self.call(restore(), 120.0)
 
     def wait_events(self, since_seq: int, timeout_s: float) -> list[SampleEvent]:
         """Events after `since_seq`, waiting up to `timeout_s` for the first. A reader

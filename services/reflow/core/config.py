@@ -449,6 +449,12 @@ class JobSpec(_Section):
         ahead = self.dispatch_ahead_versions
         return per_version * (1 + ahead), per_version * (policy_version + 1 + ahead)
 
+    @property
+    def flips_roles(self) -> bool:
+        """Whether the job's trainer membership may change by role flips."""
+        return self.cluster.workers is not None and bool(
+            self.cluster.flips or self.scheduler.enabled("placement"))
+
     @model_validator(mode="after")
     def _check_groups_fit(self) -> JobSpec:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -464,6 +470,10 @@ class JobSpec(_Section):
         if self.cluster.flips and self.scheduler.enabled("placement"):
             raise ValueError("cluster.flips: scheduled flips and the placement policy would move "
                              "the same workers; set scheduler.placement: false with cluster.flips")
+        if self.trainer.parallelism == "fsdp" and self.flips_roles:
+            raise ValueError("trainer.parallelism: fsdp keeps the trainer group's membership "
+                             "fixed; set scheduler.placement: false and no cluster.flips, or "
+                             "use trainer.parallelism: replicate for role flips")
         flips_after_end = [f.at_step for f in self.cluster.flips
                            if f.at_step >= self.trainer.num_steps]
         if flips_after_end:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from reflow.core.sections import _Section
@@ -71,6 +73,22 @@ class TrainerConfig(_Section):
         description="Committed checkpoints kept; older ones are deleted once a newer one "
         "commits. Each holds the model and AdamW's two moments: about 3x the model's bytes.",
     )
+    parallelism: Literal["auto", "replicate", "fsdp"] = Field(
+        default="auto",
+        description="How the trainer group holds the model. `replicate`: every rank holds "
+        "all of the weights, gradients and AdamW state, gradients are all-reduced. `fsdp`: "
+        "FSDP2 (`fully_shard` per transformer block and on the root), each rank holds 1/N "
+        "of them, gradients are reduce-scattered, weight sync gathers a bucket at a time "
+        "(trainer/fsdp.py); its membership is fixed for the job (no role flips, a lost "
+        "replica fails the job) and checkpoints are saved sharded by every rank. `auto`: "
+        "fsdp for a group of 2 or more ranks at start on a model of at least 1e9 "
+        "parameters (where replicated AdamW state passes 16 GB a rank in fp32) and no role "
+        "flips, else replicate.")
+    fsdp_cpu_offload: bool = Field(
+        default=False,
+        description="With fsdp: keep the sharded parameters, gradients and optimizer step "
+        "in host memory (FSDP2's CPUOffloadPolicy), moving each block to the GPU for its "
+        "compute.")
     batch_timeout_s: float = Field(
         default=600.0, gt=0.0, le=86_400.0,
         description="Longest wait for a batch before the job fails."

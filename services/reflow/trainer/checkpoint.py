@@ -172,6 +172,55 @@ def load_checkpoint(info: CheckpointInfo, model: torch.nn.Module,
     torch.set_rng_state(state["rng"]["torch"])
 
 
+def write_shards(path: Path, root: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank of an FSDP group: its shards of the model and optimizer state
+    into checkpoint directory `path`, under the model's own names, so the
+    checkpoint loads at any world size and into a replicated trainer too (a
+    collective: every rank calls it with the same path, on storage they share)."""
+    import torch.distributed.checkpoint as dcp
+
+    from reflow.trainer.fsdp import policy_state
+
+    model_state, optim_state = policy_state(root, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state,
+              "rng": {"torch": torch.get_rng_state()}}, checkpoint_id=str(path))
+
+
+def load_shards(path: Path, root: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank of an FSDP group: its shards from a committed checkpoint of any
+    world size, sharded or replicated (DCP re-shards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from reflow.trainer.fsdp import load_policy_state, policy_state
+
+    model_state, optim_state = policy_state(root, optimizer)
+    state = {"model": model_state, "optimizer": optim_state,
+             "rng": {"torch": torch.get_rng_state()}}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - many types, one cause
+        raise CheckpointError(f"{path}: does not load into this model's shards ({err})") from err
+    load_policy_state(root, optimizer, state["model"], state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+
+
+def check_shard_dir(arg: str) -> Path:
+    """A replica's check of the checkpoint directory its leader names: a step
+    directory under a run's checkpoints/ that this replica sees (fsdp
+    checkpoints need the run directory on storage every trainer mounts)."""
+    path = Path(arg)
+    if (not path.is_absolute() or ".." in path.parts or not _STEP_DIR.fullmatch(path.name)
+            or path.parent.name != CHECKPOINTS_DIR):
+        raise ValueError(f"checkpoint: {arg[:200]!r} is not a run's checkpoints/step-N "
+                         "directory")
+    if not path.is_dir() or path.is_symlink():
+        raise CheckpointError(f"checkpoint: {path} is not on this trainer's filesystem; "
+                              "trainer.parallelism: fsdp writes each rank's shards into the "
+                              "leader's run directory, which every trainer must mount")
+    return path
+
+
 class Checkpointer:
     """Saves a run's checkpoints every `interval` steps, asynchronously, and keeps
     the last `keep_last`. `observe(bytes, write_s, stage_s)`, if given, receives
@@ -200,11 +249,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         started = time.monotonic()
-        self.wait()
-        path = step_dir(self.root, step)
-        if path.exists():  # a save of this step that died part-way: start over
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        path = self.prepare(step)
         state = _training_state(model, optimizer)
         # Staging copies the tensors before async_save returns, so the next
         # optimizer step cannot tear what is being written.
@@ -219,6 +264,35 @@ class Checkpointer:
         with self._lock:
             self._pending = done
         return stage_s
+
+    def prepare(self, step: int) -> Path:
+        """The empty directory of step `step`'s checkpoint, once the previous save
+        has committed."""
+        self.wait()
+        path = step_dir(self.root, step)
+        if path.exists():  # a save of this step that died part-way: start over
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def save_sharded(self, path: Path, step: int, policy_version: int, root: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> float:
+        """The leader's part of an FSDP group's save into `path` (`prepare`), which
+        every replica writes with it (`write_shards`): its own shards, then the
+        commit once the collective is done. Synchronous: DCP's asynchronous save
+        would run its final collective on a thread beside training's, on the same
+        group. Returns the seconds it took."""
+        started = time.monotonic()
+        write_shards(path, root, optimizer)
+        written: Future = Future()
+        written.set_result(None)
+        record = {"format": FORMAT_VERSION, "step": step, "policy_version": policy_version,
+                  "created_at": time.time(), "sharded": True, **extra}
+        done: Future = Future()
+        with self._lock:
+            self._pending = done
+        self._commit(path, written, record, started, time.monotonic() - started, done)
+        return time.monotonic() - started
 
     def _commit(self, path: Path, upload, record: dict, started: float, stage_s: float,
                 done: Future) -> None:

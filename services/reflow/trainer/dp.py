@@ -172,17 +172,20 @@ class TrainerGroup:
     # --- commands ---------------------------------------------------------------------
 
     def send_command(self, op: str, step: int = 0,
-                     trajectories: list[Trajectory] | None = None) -> None:
+                     trajectories: list[Trajectory] | None = None, arg: str = "") -> None:
         """Leader: tell every replica what to do next (`train` a batch, `regroup`
-        for a new membership, `stop` at the end of the job)."""
+        for a new membership, `stop` at the end of the job; with fsdp also
+        `publish`, `checkpoint` and `resume` a checkpoint directory `arg`, and
+        `export`, each a collective every rank joins)."""
         blobs = [trajectory_to_bytes(t) for t in trajectories or []]
-        header = json.dumps({"op": op, "step": step, "sizes": [len(b) for b in blobs]})
+        header = json.dumps({"op": op, "step": step, "sizes": [len(b) for b in blobs],
+                             "arg": arg})
         self._broadcast_bytes(header.encode())
         if blobs:
             self._broadcast_bytes(b"".join(blobs))
 
-    def receive_command(self) -> tuple[str, int, list[Trajectory]]:
-        """Replica: the leader's next command."""
+    def receive_command(self) -> tuple[str, int, list[Trajectory], str]:
+        """Replica: the leader's next command: (op, step, trajectories, arg)."""
         raw = self._broadcast_bytes(None)
         if len(raw) > MAX_HEADER_BYTES:
             raise ValueError(f"trainer group: a {len(raw)}-byte command header")
@@ -194,7 +197,8 @@ class TrainerGroup:
             for n in sizes:
                 trajectories.append(trajectory_from_bytes(payload[offset:offset + n]))
                 offset += n
-        return str(header["op"]), int(header.get("step", 0)), trajectories
+        return (str(header["op"]), int(header.get("step", 0)), trajectories,
+                str(header.get("arg", "")))
 
     def transfer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        shared: SharedState | None = None) -> str:

@@ -21,6 +21,7 @@ size (trainer/checkpoint.py's format).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,9 +29,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from reflow.trainer.dp import TrainerGroup
+from reflow.weightsync import SyncGroup
+
 logger = logging.getLogger(__name__)
 
 _STORE_PREFIX = "reflow-fsdp"
+# trainer.parallelism: auto shards models of this many parameters or more: there a
+# replicated rank's fp32 weights, gradients and AdamW moments pass 16 GB.
+FSDP_AUTO_MIN_PARAMETERS = 1_000_000_000
+
+
+def wants_fsdp(spec, parameters: int) -> bool:
+    """trainer.parallelism resolved for a model of `parameters`: `auto` is fsdp
+    for a group of 2 or more ranks at start, with no role flips, on a large
+    model (FSDP_AUTO_MIN_PARAMETERS). Every rank resolves it alike."""
+    choice = spec.trainer.parallelism
+    if choice != "auto":
+        return choice == "fsdp"
+    return (spec.cluster.workers is not None and spec.cluster.trainer_workers >= 2
+            and not spec.flips_roles and parameters >= FSDP_AUTO_MIN_PARAMETERS)
 
 
 class PolicyScorer(torch.nn.Module):
@@ -98,21 +116,19 @@ def shard_policy(model: torch.nn.Module, mesh, device: torch.device,
 
 
 @dataclass
-class ShardedGroup:
-    """One membership of an FSDP trainer group: the default process group of this
-    process and its one-dimensional device mesh. `sharded` tells step.compute_step
+class ShardedGroup(TrainerGroup):
+    """One membership of an FSDP trainer group: this process's default process
+    group and its one-dimensional device mesh. The leader's commands travel over
+    the same group (TrainerGroup's protocol). `sharded` tells step.compute_step
     that FSDP reduces the gradients and that every rank must run as many
     forward/backward passes as the others."""
 
-    rank: int
-    world_size: int
-    device: torch.device
-    mesh: object
+    mesh: object = None
     sharded: bool = True
 
     @classmethod
     def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
-              device: torch.device, timeout_s: float = 600.0) -> ShardedGroup:
+              device: torch.device, timeout_s: float = 600.0, epoch: int = 1) -> ShardedGroup:
         if dist.is_initialized():
             raise RuntimeError("this process already holds a trainer group; close it first")
         from torch.distributed.device_mesh import init_device_mesh
@@ -124,7 +140,8 @@ class ShardedGroup:
         dist.init_process_group(backend, store=dist.PrefixStore(_STORE_PREFIX, store),
                                 rank=rank, world_size=world_size, timeout=timeout)
         mesh = init_device_mesh(device.type, (world_size,))
-        return cls(rank, world_size, device, mesh)
+        return cls(SyncGroup(dist.group.WORLD, store), rank, world_size, epoch, device,
+                   mesh=mesh)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.to(self.device)
@@ -136,7 +153,17 @@ class ShardedGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def abort(self) -> None:
+        """Destroy the default group (an abandoned one off this thread: gloo's
+        destructor waits for the gone member's collective)."""
+        self.sync.group = None
+        if self.abandoned.is_set():
+            threading.Thread(target=self.close, daemon=True, name="abandoned-fsdp-group").start()
+        else:
+            self.close()
+
     def close(self) -> None:
+        self.sync.group = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -191,6 +218,15 @@ def load_policy_state(root: PolicyScorer, optimizer: torch.optim.Optimizer,
 
     set_state_dict(root.module, optimizer, model_state_dict=model_state,
                    optim_state_dict=optim_state)
+
+
+def gather_full_state(root: PolicyScorer) -> dict[str, torch.Tensor]:
+    """The whole model state on rank 0's host memory under the model's names
+    (an empty dict elsewhere), for the final export: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(root.module, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
 
 
 def send_sharded_weights(root: PolicyScorer, sync_group, bucket_bytes: int) -> int:

@@ -35,6 +35,7 @@ from reflow.trainer.checkpoint import (CheckpointInfo, Checkpointer, load_checkp
                                        supersede_metrics)
 from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.trainer.evaluation import PeriodicEval
+from reflow.trainer.fsdp import gather_full_state, policy_parameters, wants_fsdp
 from reflow.trainer.handoff import SharedState
 from reflow.trainer.membership import GroupMembership
 from reflow.trainer.publish import WeightPublisher
@@ -133,6 +134,12 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self._mid_step = False
         # Weight-sync groups rebuilt after a rollout worker was replaced (publish.py).
         self.weight_sync_rebuilds = 0
+        # trainer.parallelism resolved at load(); with fsdp, the FSDP root over the
+        # model once the group is formed (trainer/fsdp.py), and the whole weights
+        # gathered to the leader at the end, for the final export.
+        self.sharded = False
+        self.root: torch.nn.Module | None = None
+        self._final_state: dict[str, torch.Tensor] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -172,16 +179,15 @@ class TrainLoop(GroupMembership, WeightPublisher):
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.spec.trainer.learning_rate,
-            weight_decay=self.spec.trainer.weight_decay,
-        )
+        self.optimizer = self._new_optimizer(self.model.parameters())
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self.sharded = wants_fsdp(self.spec, sum(p.numel() for p in self.model.parameters()))
         if self.resume_from is not None:
             # After the reference copy: the KL penalty stays against the job's initial
-            # weights, whatever checkpoint training continues from.
-            load_checkpoint(self.resume_from, self.model, self.optimizer)
+            # weights, whatever checkpoint training continues from. Sharded, every
+            # rank loads its shards once the group is formed (membership.py).
+            if not self.sharded:
+                load_checkpoint(self.resume_from, self.model, self.optimizer)
             self.step, self.policy_version = self.resume_from.step, self.resume_from.policy_version
             if self.run_dir is not None:
                 # Records of the steps after the checkpoint describe weights that are
@@ -195,9 +201,21 @@ class TrainLoop(GroupMembership, WeightPublisher):
         if self.replay is not None:
             self.replay.configure(self.job_id, self.spec.replay)
 
+    def _new_optimizer(self, parameters) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=self.spec.trainer.learning_rate,
+                                 weight_decay=self.spec.trainer.weight_decay)
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        """What compute_step trains: the FSDP root when sharded, else the model."""
+        return self.root if self.root is not None else self.model
+
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() lists a tied lm_head once, under the embedding's name,
-        # which is what the engines' checkpoint loaders expect.
+        # which is what the engines' checkpoint loaders expect (fsdp.policy_parameters
+        # keeps the same names and order, each a DTensor of global shape).
+        if self.root is not None:
+            return policy_parameters(self.root)
         return [(n, p) for n, p in self.model.named_parameters()]
 
     # --- the data-parallel group (paper §5) ------------------------------------------
@@ -209,7 +227,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
         replica joining on this host copies it instead of receiving a broadcast:
         for an elastic job on CPU with `cluster.state_handoff: auto`."""
         cluster = self.spec.cluster
-        if (self.shared_state is None and cluster.workers is not None
+        if (self.shared_state is None and cluster.workers is not None and not self.sharded
                 and cluster.state_handoff == "auto" and self.device.type == "cpu"):
             try:
                 self.shared_state = SharedState.share(self.model, self.optimizer)
@@ -299,6 +317,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
             checkpoint_s = 0.0
             if self.checkpointer is not None and self.checkpointer.due(self.step):
                 checkpoint_s = self.checkpoint()
+        if self.root is not None:
+            # The final export's whole weights, gathered to this leader by every rank.
+            self.group.send_command("export", self.step)
+            self._final_state = gather_full_state(self.root)
         if self.group is not None:
             try:
                 self.group.send_command("stop", self.step)
@@ -314,14 +336,28 @@ class TrainLoop(GroupMembership, WeightPublisher):
         except Exception as err:  # noqa: BLE001 - the weights are worth saving without it
             logger.warning("job %s: checkpoint without the buffer's ledger: %s", self.job_id, err)
             ledger = {"error": f"{type(err).__name__}: {err}"[:500]}
+        extra = {"job_id": self.job_id, "ledger": ledger}
+        if self.root is not None:
+            # Every rank writes its shards (a collective); the leader commits.
+            path = self.checkpointer.prepare(self.step)
+            self.group.send_command("checkpoint", self.step, arg=str(path))
+            return self.checkpointer.save_sharded(path, self.step, self.policy_version,
+                                                  self.root, self.optimizer, extra)
         return self.checkpointer.save(self.step, self.policy_version, self.model,
-                                      self.optimizer, {"job_id": self.job_id, "ledger": ledger})
+                                      self.optimizer, extra)
 
     def checkpoint_on_stop(self, timeout_s: float = 600.0) -> None:
         """A graceful stop saves the step it stopped at (unless that step is saved
         already) and waits for the save to commit."""
         cp = self.checkpointer
         if cp is None or self.step == 0:
+            return
+        if self.root is not None:
+            # A stop reaches the replicas too: they may be gone before a save they
+            # would have to write with this leader.
+            logger.info("job %s: fsdp: the last committed checkpoint (step %d) stays the "
+                        "one to resume from", self.job_id, cp.last_committed_step)
+            cp.wait(timeout_s)
             return
         if self._mid_step:
             # Stopped between an optimizer step and its record: the weights are not
@@ -413,7 +449,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
                 if group is not None:
                     # The replicas compute their shares of the same batch (trainer/dp.py).
                     group.send_command("train", self.step + 1, batch.trajectories)
-                return compute_step(self.model, self.optimizer, self.spec, batch.trajectories,
+                return compute_step(self.trained, self.optimizer, self.spec, batch.trajectories,
                                     self.pad_id, self.device, group, reference=self.reference)
             except GroupBroken as err:
                 # No rank stepped: the same batch again, on the group that is left.
@@ -465,9 +501,15 @@ class TrainLoop(GroupMembership, WeightPublisher):
                 f.write(json.dumps(record) + "\n")
 
     def save(self, path: Path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)
+        if self.root is not None:
+            self.model.save_pretrained(path, state_dict=self._final_state,
+                                       safe_serialization=True)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.evals.close()
+        if self.root is not None and self.group is not None:
+            self.group.close()  # this process's default group: the next job may need it

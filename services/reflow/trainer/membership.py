@@ -102,6 +102,9 @@ class GroupMembership:
             peers, self._pending_peers = self._pending_peers, None
         if peers is None:
             return
+        if self.sharded:
+            self._form_sharded_group(peers)
+            return
         started = time.monotonic()
         if self.group is not None:
             try:
@@ -137,6 +140,46 @@ class GroupMembership:
         logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
                     1 + len(peers), self.last_regroup_s,
                     f", state by {self.last_handoff}" if peers else "")
+
+    def _form_sharded_group(self, peers: list[str]) -> None:
+        """trainer.parallelism: fsdp: the group forms once, at the job's start, and
+        every rank shards the model it loaded from model.path (the same weights
+        everywhere, so nothing is sent); a resumed job's ranks then load their
+        shards of the checkpoint. Shards are not re-distributed, so any later
+        change of membership (a lost replica) ends the job."""
+        if self.root is not None:
+            raise RuntimeError(
+                f"trainer.parallelism: fsdp keeps the trainer group at its {self.group_size} "
+                f"ranks for the job; a membership of {1 + len(peers)} cannot be applied "
+                "(a replica was lost?). Resume the job from its last checkpoint, or use "
+                "trainer.parallelism: replicate, whose group goes on without the lost replica")
+        from reflow.trainer.fsdp import ShardedGroup, shard_policy
+
+        started = time.monotonic()
+        peers, their_epochs = self._peers_standing_by(peers)
+        epoch = max([self.membership_epoch, *their_epochs]) + 1
+        port, world = free_port(), 1 + len(peers)
+        joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
+                                   port, rank, world, epoch)
+                 for rank, address in enumerate(peers, start=1)]
+        group = ShardedGroup.build(self.master_address, port, 0, world, self.device,
+                                   self.group_timeout_s, epoch)
+        for f in joins:
+            f.result()
+        self.root = shard_policy(self.model, group.mesh, self.device,
+                                 self.spec.trainer.fsdp_cpu_offload)
+        self.optimizer = self._new_optimizer(self.root.parameters())
+        self.group = group
+        if self.resume_from is not None:
+            from reflow.trainer.checkpoint import load_shards
+
+            group.send_command("resume", self.step, arg=str(self.resume_from.path))
+            load_shards(self.resume_from.path, self.root, self.optimizer)
+        with self._membership_lock:
+            self.peers, self.membership_epoch = peers, epoch
+        self.last_regroup_s = time.monotonic() - started
+        logger.info("job %s: fsdp trainer group epoch %d: %d ranks (%.2fs)", self.job_id, epoch,
+                    world, self.last_regroup_s)
 
     def _peers_standing_by(self, peers: list[str]) -> tuple[list[str], list[int]]:
         """The replicas of `peers` that stand by to join (in order), and the

@@ -104,6 +104,13 @@ class WeightPublisher:
         return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
 
     def _send_weights(self) -> None:
+        if self.root is not None:
+            # Every rank gathers each bucket from the shards; this leader sends it.
+            from reflow.trainer.fsdp import send_sharded_weights
+
+            self.group.send_command("publish", self.step)
+            send_sharded_weights(self.root, self._sync_group, DEFAULT_BUCKET_BYTES)
+            return
         with torch.no_grad():
             send_weights(self._sync_group, self._named_weights())
 

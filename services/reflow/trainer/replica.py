@@ -27,6 +27,8 @@ from reflow.trainer.step import compute_step
 logger = logging.getLogger(__name__)
 
 MAX_GROUP_SIZE = 4096
+# Commands of an FSDP group, each a collective this replica joins.
+SHARDED_OPS = ("publish", "checkpoint", "resume", "export")
 
 
 class TrainerReplica:
@@ -50,8 +52,10 @@ class TrainerReplica:
         try:
             self.loop.load()
             # Warm means allocated: AdamW's moments exist (zeros) from the start, so a
-            # flip only copies into memory the replica already holds.
-            materialise_optimizer_state(self.loop.optimizer)
+            # flip only copies into memory the replica already holds. Sharded, the
+            # optimizer is rebuilt over the shards when the group forms.
+            if not self.loop.sharded:
+                materialise_optimizer_state(self.loop.optimizer)
             with self._lock:
                 if self.state == "starting":
                     self.state = "standby"
@@ -88,28 +92,36 @@ class TrainerReplica:
         try:
             if not self._loaded.wait(loop.group_timeout_s) or self.error:
                 raise RuntimeError(f"the replica did not load: {self.error or 'timed out'}")
-            group = TrainerGroup.build(self.leader_host, master_port, rank, world_size, epoch,
-                                       loop.device, loop.group_timeout_s)
             started = time.monotonic()
-            how = group.transfer_state(loop.model, loop.optimizer)
-            logger.info("job %s: replica rank %d/%d of epoch %d, state received by %s in %.2fs",
+            if loop.sharded:
+                group = self._shard(master_port, rank, world_size, epoch)
+                how = "sharded in place"
+            else:
+                group = TrainerGroup.build(self.leader_host, master_port, rank, world_size,
+                                           epoch, loop.device, loop.group_timeout_s)
+                how = group.transfer_state(loop.model, loop.optimizer)
+            logger.info("job %s: replica rank %d/%d of epoch %d, state %s in %.2fs",
                         self.job_id, rank, world_size, epoch, how, time.monotonic() - started)
             if self._stop.is_set():
                 return
             self.state = "training"
             while not self._stop.is_set():
-                op, step, trajectories = group.receive_command()
+                op, step, trajectories, arg = group.receive_command()
                 if op == "train":
                     # loop.load() built the same frozen reference as the leader's.
-                    compute_step(loop.model, loop.optimizer, loop.spec, trajectories,
+                    compute_step(loop.trained, loop.optimizer, loop.spec, trajectories,
                                  loop.pad_id, loop.device, group, reference=loop.reference)
                     self.step = step
                     self.steps_trained += 1
+                elif op in SHARDED_OPS and loop.root is not None:
+                    self._sharded_command(op, arg)
                 elif op == "regroup":
                     if not self._stop.is_set():
                         self.state = "standby"
                     return
                 elif op == "stop":
+                    if loop.root is not None:
+                        group.close()  # this process's default group
                     if not self._stop.is_set():
                         self.state = "succeeded"
                     return
@@ -123,7 +135,10 @@ class TrainerReplica:
             if not self._stop.is_set():
                 logger.warning("job %s: replica left broken group of epoch %d: %s",
                                self.job_id, epoch, err)
-                self.state = "standby"
+                # Its shards are of a group that is gone: an fsdp replica cannot rejoin.
+                self.state = "standby" if loop.root is None else "failed"
+                if loop.root is not None:
+                    self.error = f"fsdp trainer group broke: {err}"[:1000]
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
             if self._stop.is_set():
                 logger.info("job %s: stopped replica left its group: %s", self.job_id, err)
@@ -132,6 +147,36 @@ class TrainerReplica:
             if group is not None:
                 group.abort()  # the leader's collective with it fails now, not at a timeout
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
+
+    def _shard(self, master_port: int, rank: int, world_size: int, epoch: int):
+        """Join the leader's FSDP group (this process's default group) and shard
+        the model loaded from model.path, as every rank does (fsdp.shard_policy)."""
+        from reflow.trainer.fsdp import ShardedGroup, shard_policy
+
+        loop = self.loop
+        group = ShardedGroup.build(self.leader_host, master_port, rank, world_size, loop.device,
+                                   loop.group_timeout_s, epoch)
+        loop.group = group
+        loop.root = shard_policy(loop.model, group.mesh, loop.device,
+                                 loop.spec.trainer.fsdp_cpu_offload)
+        loop.optimizer = loop._new_optimizer(loop.root.parameters())
+        return group
+
+    def _sharded_command(self, op: str, arg: str) -> None:
+        """A collective of the FSDP group the leader started: this rank's part."""
+        from reflow.trainer import checkpoint
+        from reflow.trainer.fsdp import gather_full_state, send_sharded_weights
+        from reflow.weightsync import DEFAULT_BUCKET_BYTES
+
+        loop = self.loop
+        if op == "publish":
+            send_sharded_weights(loop.root, None, DEFAULT_BUCKET_BYTES)
+        elif op == "checkpoint":
+            checkpoint.write_shards(checkpoint.check_shard_dir(arg), loop.root, loop.optimizer)
+        elif op == "resume":
+            checkpoint.load_shards(checkpoint.check_shard_dir(arg), loop.root, loop.optimizer)
+        elif op == "export":
+            gather_full_state(loop.root)  # rank 0 keeps the whole weights, not this one
 
     def stop(self) -> None:
         """End this replica's part in the job. A replica blocked in a collective of a

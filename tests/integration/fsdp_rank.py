@@ -55,18 +55,26 @@ def main() -> None:
     root = fsdp.shard_policy(fresh(), group.mesh, cpu)
     opt = optimizer_of(root.parameters())
     report = {"rank": args.rank}
+    single = fresh()
+    single_opt = optimizer_of(single.parameters())
     if args.resume:
         model_state, optim_state = fsdp.policy_state(root, opt)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=args.resume)
         fsdp.load_policy_state(root, opt, state["model"], state["optimizer"])
-    else:
-        single = fresh()
-        single_opt = optimizer_of(single.parameters())
-        for trajectories in batches:
-            compute_step(single, single_opt, spec, trajectories, 0, cpu)
-            compute_step(root, opt, spec, trajectories, 0, cpu, group=group)
-        reference = dict(single.named_parameters())
+        report["loaded"] = _whole_state(root, opt)
+        # The unsharded trainer goes on from the same checkpoint, for the comparison.
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(single, single_opt)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=args.resume, no_dist=True)
+        set_state_dict(single, single_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    for trajectories in batches:
+        compute_step(single, single_opt, spec, trajectories, 0, cpu)
+        compute_step(root, opt, spec, trajectories, 0, cpu, group=group)
+    reference = dict(single.named_parameters())
     # Per-rank bytes of parameters and AdamW state held (local shards).
     from torch.distributed.tensor import DTensor
 
@@ -83,8 +91,7 @@ def main() -> None:
         peak_bucket = max(peak_bucket, sum(t.numel() * t.element_size() for _, t in bucket))
         for name, t in bucket:
             params[name] = t.clone()
-            if not args.resume:
-                diffs[name] = float((t - reference[name].detach()).abs().max())
+            diffs[name] = float((t - reference[name].detach()).abs().max())
     report.update(max_abs_diff=max(diffs.values()) if diffs else None,
                   peak_bucket_bytes=peak_bucket, bucket_bytes=bucket_bytes,
                   largest_param_bytes=max(t.numel() * t.element_size()
@@ -94,15 +101,29 @@ def main() -> None:
     if args.save:
         model_state, optim_state = fsdp.policy_state(root, opt)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=args.save)
-    # The optimizer's first moments, whole, under the model's names.
-    _, optim_state = fsdp.policy_state(root, opt)
-    exp_avg = {name: s["exp_avg"].full_tensor() if isinstance(s["exp_avg"], DTensor)
-               else s["exp_avg"] for name, s in optim_state["state"].items()}
+    # What was saved after training, or what the resumed group loaded (a collective).
+    whole = report.pop("loaded", None) or _whole_state(root, opt)
     if args.rank == 0:
-        torch.save({"exp_avg": exp_avg, "params": params}, f"{args.out}.pt")
+        torch.save(whole, f"{args.out}.pt")
     with open(args.out, "w") as f:
         json.dump(report, f)
     group.close()
+
+
+def _whole_state(root, opt) -> dict:
+    """The parameters and AdamW's first moments, gathered whole, under the model's
+    names (every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    from reflow.trainer import fsdp
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+    params = {n: whole(p) for n, p in fsdp.policy_parameters(root)}
+    _, optim_state = fsdp.policy_state(root, opt)
+    return {"params": params,
+            "exp_avg": {n: whole(s["exp_avg"]) for n, s in optim_state["state"].items()}}
 
 
 class LiveBytes:

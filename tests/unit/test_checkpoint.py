@@ -155,3 +155,30 @@ def test_superseded_metrics_leave_the_curve(tmp_path):
     kept = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == [1, 2, 3, 4, 5]
     assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("arg", ["relative/checkpoints/step-00000004",
+                                 "/run/checkpoints/../checkpoints/step-00000004",
+                                 "/run/checkpoints/step-4", "/run/elsewhere/step-00000004",
+                                 "/etc/passwd", ""])
+def test_a_replica_refuses_a_checkpoint_directory_that_is_not_a_runs_step(arg):
+    from reflow.trainer.checkpoint import check_shard_dir
+
+    with pytest.raises(ValueError, match="is not a run's checkpoints/step-N directory"):
+        check_shard_dir(arg)
+
+
+def test_a_replica_that_cannot_see_the_leaders_run_directory_says_it_must_be_shared(tmp_path):
+    from reflow.trainer.checkpoint import check_shard_dir
+
+    path = tmp_path / "checkpoints" / "step-00000004"
+    with pytest.raises(CheckpointError, match="which every trainer must mount"):
+        check_shard_dir(str(path))
+    (tmp_path / "elsewhere").mkdir()
+    path.parent.mkdir()
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError):
+        check_shard_dir(str(path))  # a link out of the run directory
+    path.unlink()
+    path.mkdir()
+    assert check_shard_dir(str(path)) == path

@@ -165,3 +165,26 @@ def test_a_worker_leaving_standby_restores_the_engine_before_it_admits():
     # Released once standing by; restored while still standing by, then admitting.
     assert seen == [("release", True), ("restore", True)]
     assert not worker.standby
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"\x01\x02",  # shorter than the header's length
+    (2**40).to_bytes(8, "little") + b"{}",  # a header length far past the bound
+    (7).to_bytes(8, "little") + b"{not js",
+    (30).to_bytes(8, "little") + b'{"w": {"shape": ["9", 2]}}    ',
+    (12).to_bytes(8, "little") + b'{"w": [1, 2]}',
+])
+def test_a_file_that_is_not_safetensors_is_refused_by_name(tmp_path, content):
+    (tmp_path / "config.json").write_text('{"hidden_size": 8, "num_hidden_layers": 2}')
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors"):
+        ModelShape.read(tmp_path)
+
+
+def test_a_model_directory_without_shape_or_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": "8"}')
+    with pytest.raises(ValueError, match="no integer hidden_size"):
+        ModelShape.read(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 8, "num_hidden_layers": 2}')
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        ModelShape.read(tmp_path)

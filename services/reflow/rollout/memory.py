@@ -70,19 +70,29 @@ class ModelShape:
 
 
 def _safetensors_parameters(path: Path) -> int:
+    """Elements of every tensor a safetensors file lists; ValueError naming the
+    file for one that is not a safetensors file (its header is read, bounded,
+    and checked before use)."""
     with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         if not 0 < size <= _MAX_HEADER_BYTES:
-            raise ValueError(f"{path}: a {size}-byte safetensors header")
-        header = json.loads(f.read(size))
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        count = 1
-        for dim in entry["shape"]:
-            count *= int(dim)
-        total += count
+            raise ValueError(f"{path}: not a safetensors file (a {size}-byte header)")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+        total = 0
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in entry["shape"]:
+                if not isinstance(dim, int) or dim < 0:
+                    raise ValueError(f"tensor {name[:80]!r}: shape {entry['shape']!r}")
+                count *= dim
+            total += count
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a safetensors header ({err})"[:500]) from None
     return total
 
 

@@ -153,10 +153,14 @@ class TrainerGroup:
         for the collective still waiting on the gone member, which ends only at the
         group's timeout."""
         if self.abandoned.is_set():
-            threading.Thread(target=self.sync.abort, daemon=True,
+            threading.Thread(target=self.close, daemon=True,
                              name=f"abandoned-group-{self.epoch}").start()
         else:
-            self.sync.abort()
+            self.close()
+
+    def close(self) -> None:
+        """Release the group's process group (and with it its connections)."""
+        self.sync.abort()
 
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         # On the group's device: NCCL moves CUDA tensors only.

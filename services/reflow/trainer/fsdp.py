@@ -21,7 +21,6 @@ size (trainer/checkpoint.py's format).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -153,16 +152,9 @@ class ShardedGroup(TrainerGroup):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def abort(self) -> None:
-        """Destroy the default group (an abandoned one off this thread: gloo's
-        destructor waits for the gone member's collective)."""
-        self.sync.group = None
-        if self.abandoned.is_set():
-            threading.Thread(target=self.close, daemon=True, name="abandoned-fsdp-group").start()
-        else:
-            self.close()
-
     def close(self) -> None:
+        """Destroy this process's default group (TrainerGroup.abort calls it, off
+        the caller's thread for an abandoned group)."""
         self.sync.group = None
         if dist.is_initialized():
             dist.destroy_process_group()

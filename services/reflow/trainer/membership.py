@@ -121,14 +121,9 @@ class GroupMembership:
         # not refused as a stale one by the replicas its predecessor led.
         epoch = max([self.membership_epoch, *their_epochs]) + 1
         if peers:
-            port, world = free_port(), 1 + len(peers)
-            joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
-                                       port, rank, world, epoch)
-                     for rank, address in enumerate(peers, start=1)]
-            group = TrainerGroup.build(self.master_address, port, 0, world, epoch,
-                                       self.device, self.group_timeout_s)
-            for f in joins:
-                f.result()
+            group = self._rendezvous(peers, lambda port, world: TrainerGroup.build(
+                self.master_address, port, 0, world, epoch, self.device, self.group_timeout_s),
+                epoch)
             self.last_handoff = group.transfer_state(self.model, self.optimizer,
                                                      self.shared_state)
             self.group = group
@@ -140,6 +135,19 @@ class GroupMembership:
         logger.info("job %s: trainer group epoch %d: %d replicas (%.2fs%s)", self.job_id, epoch,
                     1 + len(peers), self.last_regroup_s,
                     f", state by {self.last_handoff}" if peers else "")
+
+    def _rendezvous(self, peers: list[str], build, epoch: int):
+        """Every replica in `peers` asked to join (rank 1, 2, ... on a new port)
+        while this leader builds rank 0 (`build(port, world)`); returns the group
+        once all have joined."""
+        port, world = free_port(), 1 + len(peers)
+        joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
+                                   port, rank, world, epoch)
+                 for rank, address in enumerate(peers, start=1)]
+        group = build(port, world)
+        for f in joins:
+            f.result()
+        return group
 
     def _form_sharded_group(self, peers: list[str]) -> None:
         """trainer.parallelism: fsdp: the group forms once, at the job's start, and
@@ -158,14 +166,9 @@ class GroupMembership:
         started = time.monotonic()
         peers, their_epochs = self._peers_standing_by(peers)
         epoch = max([self.membership_epoch, *their_epochs]) + 1
-        port, world = free_port(), 1 + len(peers)
-        joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
-                                   port, rank, world, epoch)
-                 for rank, address in enumerate(peers, start=1)]
-        group = ShardedGroup.build(self.master_address, port, 0, world, self.device,
-                                   self.group_timeout_s, epoch)
-        for f in joins:
-            f.result()
+        group = self._rendezvous(peers, lambda port, world: ShardedGroup.build(
+            self.master_address, port, 0, world, self.device, self.group_timeout_s, epoch),
+            epoch)
         self.root = shard_policy(self.model, group.mesh, self.device,
                                  self.spec.trainer.fsdp_cpu_offload)
         self.optimizer = self._new_optimizer(self.root.parameters())
@@ -179,7 +182,7 @@ class GroupMembership:
             self.peers, self.membership_epoch = peers, epoch
         self.last_regroup_s = time.monotonic() - started
         logger.info("job %s: fsdp trainer group epoch %d: %d ranks (%.2fs)", self.job_id, epoch,
-                    world, self.last_regroup_s)
+                    group.world_size, self.last_regroup_s)
 
     def _peers_standing_by(self, peers: list[str]) -> tuple[list[str], list[int]]:
         """The replicas of `peers` that stand by to join (in order), and the

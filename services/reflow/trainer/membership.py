@@ -3,7 +3,9 @@ that join and leave at sync boundaries, and a group that loses a member.
 
 Membership changes the scheduler asks for (`reconfigure`) wait for the next
 sync boundary (`apply_membership`): the current replicas drop out, the new
-membership joins a fresh group and receives the leader's state.
+membership joins a fresh group and receives the leader's state. An FSDP
+group (trainer.parallelism: fsdp) changes instead by moving shards, each rank
+its own rows (trainer/reshard.py, `_form_sharded_group`).
 
 A replica whose worker died breaks the group mid-step: the step's collectives
 fail on every rank (trainer/dp.py GroupBroken) before any optimizer step, so
@@ -16,6 +18,7 @@ from the scheduler, which knows which worker died).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -150,39 +153,98 @@ class GroupMembership:
         return group
 
     def _form_sharded_group(self, peers: list[str]) -> None:
-        """trainer.parallelism: fsdp: the group forms once, at the job's start, and
-        every rank shards the model it loaded from model.path (the same weights
-        everywhere, so nothing is sent); a resumed job's ranks then load their
-        shards of the checkpoint. Shards are not re-distributed, so any later
-        change of membership (a lost replica) ends the job."""
-        if self.root is not None:
-            raise RuntimeError(
-                f"trainer.parallelism: fsdp keeps the trainer group at its {self.group_size} "
-                f"ranks for the job; a membership of {1 + len(peers)} cannot be applied "
-                "(a replica was lost?). Resume the job from its last checkpoint, or use "
-                "trainer.parallelism: replicate, whose group goes on without the lost replica")
-        from reflow.trainer.fsdp import ShardedGroup, shard_policy
+        """trainer.parallelism: fsdp: every membership, the first included, by a
+        plan of shard moves (trainer/reshard.py) over a union group of this leader,
+        the current ranks and the replicas joining: the first shards the weights
+        every rank loaded from model.path (a resumed job's ranks then load their
+        shards of the checkpoint); a later one moves each rank's rows to their new
+        owners, so a joiner receives its own shard and a leaver hands its shard on.
+        Shards live nowhere else: a membership change with a current rank gone (a
+        lost replica) cannot be applied and ends the job."""
+        from reflow.trainer import reshard
 
         started = time.monotonic()
-        peers, their_epochs = self._peers_standing_by(peers)
+        initial = self.root is None
+        first_step = self.resume_from.step if self.resume_from is not None else 0
+        if initial and self.step != first_step:
+            # The first membership shards what every rank loaded: weights this
+            # leader has trained since would differ from a joiner's.
+            raise RuntimeError(f"trainer.parallelism: fsdp: the group first forms at step "
+                               f"{self.step}, after training began at step {first_step}")
+        holders = [] if initial else list(self.peers)
+        if not initial:
+            self._check_shard_holders(holders)
+        joiners, their_epochs = self._peers_standing_by([a for a in peers if a not in holders])
         epoch = max([self.membership_epoch, *their_epochs]) + 1
-        group = self._rendezvous(peers, lambda port, world: ShardedGroup.build(
-            self.master_address, port, 0, world, self.device, self.group_timeout_s, epoch),
-            epoch)
-        self.root = shard_policy(self.model, group.mesh, self.device,
-                                 self.spec.trainer.fsdp_cpu_offload)
-        self.optimizer = self._new_optimizer(self.root.parameters())
-        self.group = group
-        if self.resume_from is not None:
+        # Union ranks: this leader, the current ranks in rank order, the joiners.
+        union = [*holders, *joiners]
+        members = [a for a in peers if a in union]
+        plan = reshard.ReshardPlan(
+            epoch=epoch, port=free_port(),
+            old_ranks=[-1 if initial else 0, *range(1, 1 + len(holders)), *[-1] * len(joiners)],
+            new_ranks=[0, *[members.index(a) + 1 if a in members else -1 for a in union]],
+            steps=[] if initial else reshard.optimizer_steps(self.root, self.optimizer),
+            layout=reshard.layout_of(self.model if initial else self.root)[2], initial=initial)
+        union_port, world = free_port(), 1 + len(union)
+        try:
+            if not initial:
+                # The current ranks build the union group with this leader.
+                self.group.send_command("reshard", self.step, arg=json.dumps(
+                    {"port": union_port, "world": world, "epoch": epoch}))
+            joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
+                                       union_port, rank, world, epoch)
+                     for rank, address in enumerate(union, start=1) if address in joiners]
+            group = TrainerGroup.build(self.master_address, union_port, 0, world, epoch,
+                                       self.device, self.group_timeout_s)
+            for f in joins:
+                f.result()
+            try:
+                group._broadcast_bytes(plan.encode())
+                reshard.apply_plan(self, plan, 0, group, self.master_address)
+            finally:
+                group.close()
+        except GroupBroken as err:
+            # Some rows may have moved and others not: no membership holds the state.
+            raise RuntimeError(f"trainer.parallelism: fsdp: the move of shards to the group "
+                               f"of epoch {epoch} failed ({err}); resume the job from its "
+                               "last checkpoint") from err
+        if initial and self.resume_from is not None:
             from reflow.trainer.checkpoint import load_shards
 
-            group.send_command("resume", self.step, arg=str(self.resume_from.path))
+            self.group.send_command("resume", self.step, arg=str(self.resume_from.path))
             load_shards(self.resume_from.path, self.root, self.optimizer)
+        if not initial:
+            self.last_handoff = reshard.describe_moves(plan, self.root, [
+                1 + union.index(a) for a in joiners])
         with self._membership_lock:
-            self.peers, self.membership_epoch = peers, epoch
+            self.peers, self.membership_epoch = members, epoch
+        self._check_dropped()
         self.last_regroup_s = time.monotonic() - started
-        logger.info("job %s: fsdp trainer group epoch %d: %d ranks (%.2fs)", self.job_id, epoch,
-                    group.world_size, self.last_regroup_s)
+        logger.info("job %s: fsdp trainer group epoch %d: %d ranks (%.2fs%s)", self.job_id,
+                    epoch, 1 + len(members), self.last_regroup_s,
+                    f", {self.last_handoff}" if not initial else "")
+
+    def _check_shard_holders(self, holders: list[str]) -> None:
+        """Every current rank of an FSDP group holds shards no other has: each must
+        still be there, in this group, for its rows to move."""
+        epoch = self.group.epoch if self.group is not None else -1
+        for address in holders:
+            client = self._peer_client(address)
+            try:
+                status = client.status(self.job_id)
+                there = status.state == "training" and status.membership_epoch == epoch
+                how = f"{status.state} in epoch {status.membership_epoch}"
+            except Exception as err:  # noqa: BLE001 - unreachable: its worker is gone
+                there, how = False, f"unreachable ({type(err).__name__})"
+            finally:
+                client.close()
+            if not there:
+                raise RuntimeError(
+                    f"trainer.parallelism: fsdp: replica {address} ({how}) held shards of "
+                    f"the trainer group of epoch {epoch} that no other rank holds, so the "
+                    "group cannot change membership without it (a replica was lost?). "
+                    "Resume the job from its last checkpoint, or use trainer.parallelism: "
+                    "replicate, whose group goes on without the lost replica")
 
     def _peers_standing_by(self, peers: list[str]) -> tuple[list[str], list[int]]:
         """The replicas of `peers` that stand by to join (in order), and the
@@ -227,11 +289,17 @@ class GroupMembership:
             raise RuntimeError(f"the trainer group broke {self.group_failures} times "
                                f"(cluster.max_restarts={self.spec.cluster.max_restarts}): "
                                f"{err}") from err
-        logger.warning("job %s: trainer group broke at step %d (%s); rebuilding it",
-                       self.job_id, self.step + 1, err)
         broken, self.group = self.group, None
         if broken is not None:
             broken.abort()  # the survivors' collectives fail now, and they stand by
+        if self.sharded:
+            raise RuntimeError(f"trainer.parallelism: fsdp: the trainer group broke at step "
+                               f"{self.step + 1} ({err}); its lost rank's shards are nowhere "
+                               "else. Resume the job from its last checkpoint, or use "
+                               "trainer.parallelism: replicate, whose group goes on without "
+                               "the lost replica") from err
+        logger.warning("job %s: trainer group broke at step %d (%s); rebuilding it",
+                       self.job_id, self.step + 1, err)
         with self._membership_lock:
             # A change the scheduler asked for meanwhile is applied with the rebuild.
             if self._pending_peers is None:

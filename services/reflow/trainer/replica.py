@@ -6,11 +6,14 @@ is ever needed, then stands by. When the leader brings it into the trainer
 group (`join`), it receives the leader's parameters and optimizer state and
 follows the leader's commands: compute its share of each batch (trainer/step.py),
 drop out on `regroup`, end on `stop`. Between memberships its state stays in
-this process's memory.
+this process's memory. In an FSDP group it joins with no shards and receives
+its own from their owners, and a `reshard` moves its rows to the next
+membership, with it or without it (trainer/reshard.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -94,8 +97,7 @@ class TrainerReplica:
                 raise RuntimeError(f"the replica did not load: {self.error or 'timed out'}")
             started = time.monotonic()
             if loop.sharded:
-                group = self._shard(master_port, rank, world_size, epoch)
-                how = "sharded in place"
+                group, how = self._join_sharded(master_port, rank, world_size, epoch)
             else:
                 group = TrainerGroup.build(self.leader_host, master_port, rank, world_size,
                                            epoch, loop.device, loop.group_timeout_s)
@@ -115,6 +117,12 @@ class TrainerReplica:
                     self.steps_trained += 1
                 elif op in SHARDED_OPS and loop.root is not None:
                     self._sharded_command(op, arg)
+                elif op == "reshard" and loop.root is not None:
+                    group = self._reshard(group, arg)
+                    if group is None:  # left the group: its shards went to the others
+                        if not self._stop.is_set():
+                            self.state = "standby"
+                        return
                 elif op == "regroup":
                     if not self._stop.is_set():
                         self.state = "standby"
@@ -148,19 +156,60 @@ class TrainerReplica:
                 group.abort()  # the leader's collective with it fails now, not at a timeout
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
 
-    def _shard(self, master_port: int, rank: int, world_size: int, epoch: int):
-        """Join the leader's FSDP group (this process's default group) and shard
-        the model loaded from model.path, as every rank does (fsdp.shard_policy)."""
-        from reflow.trainer.fsdp import ShardedGroup, shard_policy
+    def _join_sharded(self, master_port: int, rank: int, world_size: int, epoch: int):
+        """Join an FSDP group's membership change (trainer/reshard.py) as a process
+        with no shards yet: the union group the leader named, its plan, then this
+        process's new shards, sharded from the weights it loaded (the first
+        membership) or received from their current owners. Returns (group, how)."""
+        from reflow.trainer import reshard
 
         loop = self.loop
-        group = ShardedGroup.build(self.leader_host, master_port, rank, world_size, loop.device,
-                                   loop.group_timeout_s, epoch)
-        loop.group = group
-        loop.root = shard_policy(loop.model, group.mesh, loop.device,
-                                 loop.spec.trainer.fsdp_cpu_offload)
-        loop.optimizer = loop._new_optimizer(loop.root.parameters())
-        return group
+        union = TrainerGroup.build(self.leader_host, master_port, rank, world_size, epoch,
+                                   loop.device, loop.group_timeout_s)
+        try:
+            plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))
+            if (plan.epoch != epoch or len(plan.new_ranks) != world_size
+                    or plan.old_ranks[rank] >= 0 or plan.new_ranks[rank] < 0):
+                raise ValueError(f"reshard plan: not a join of union rank {rank}/{world_size} "
+                                 f"in epoch {epoch}")
+            group, received = reshard.apply_plan(loop, plan, rank, union, self.leader_host)
+        finally:
+            union.close()
+        return group, ("sharded in place" if plan.initial else f"{received} B of shards")
+
+    def _reshard(self, group, arg: str):
+        """The leader changes the FSDP group's membership: this rank's rows move to
+        their new owners over a union group (trainer/reshard.py). Returns the new
+        group, or None where this rank left it."""
+        from reflow.trainer import reshard
+
+        loop = self.loop
+        try:
+            order = json.loads(arg)
+            port, world, epoch = int(order["port"]), int(order["world"]), int(order["epoch"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"trainer group: reshard command {arg[:200]!r}: {err}") from None
+        if not (1 <= port <= 65535 and group.world_size <= world <= MAX_GROUP_SIZE
+                and epoch > self.epoch):
+            raise ValueError(f"trainer group: reshard to port {port}, {world} ranks, epoch "
+                             f"{epoch} from epoch {self.epoch}")
+        me = group.rank  # the union lists the current ranks first, in rank order
+        union = TrainerGroup.build(self.leader_host, port, me, world, epoch, loop.device,
+                                   loop.group_timeout_s)
+        try:
+            plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))
+            if plan.epoch != epoch or len(plan.old_ranks) != world or plan.old_ranks[me] != me:
+                raise ValueError(f"reshard plan: not one for rank {me} of epoch {group.epoch}")
+            new_group, received = reshard.apply_plan(loop, plan, me, union, self.leader_host)
+        finally:
+            union.close()
+        with self._lock:
+            self.epoch = epoch
+        logger.info("job %s: replica rank %d of epoch %d is %s of epoch %d (%d B of shards "
+                    "received)", self.job_id, me, group.epoch,
+                    f"rank {new_group.rank}" if new_group is not None else "out", epoch,
+                    received)
+        return new_group
 
     def _sharded_command(self, op: str, arg: str) -> None:
         """A collective of the FSDP group the leader started: this rank's part."""

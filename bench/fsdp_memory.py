@@ -70,6 +70,12 @@ def _held_bytes(params, optimizer) -> int:
     return held
 
 
+def _rss_now() -> int:
+    """This process's resident bytes now (/proc: Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def run_rank(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,8 +87,10 @@ def run_rank(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     spec = parse_job_spec({"model": {"path": args.model}})
+    phases = {"start": _rss_now()}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,  # nosec B615
                                                  local_files_only=True)
+    phases["loaded"] = _rss_now()
     batches = _batches(model.config.vocab_size, args.steps + 1, args.batch, args.seq)
     group = None
     if args.mode == "fsdp":
@@ -94,6 +102,7 @@ def run_rank(args: argparse.Namespace) -> None:
         from reflow.trainer.dp import TrainerGroup
 
         group = TrainerGroup.build("127.0.0.1", args.port, args.rank, args.world, 0, cpu, 600.0)
+    phases["sharded" if args.mode == "fsdp" else "grouped"] = _rss_now()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.trainer.learning_rate)
     times = []
     for i, batch in enumerate(batches):
@@ -101,9 +110,12 @@ def run_rank(args: argparse.Namespace) -> None:
         compute_step(model, optimizer, spec, batch, 0, cpu, group=group)
         if i:  # the first is warm-up
             times.append(time.perf_counter() - t0)
-    report = {"rank": args.rank, "peak_rss_bytes": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024, "held_bytes": _held_bytes(
-        list(model.parameters()), optimizer), "step_s": statistics.median(times)}
+        phases[f"step{i + 1}"] = _rss_now()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = {"rank": args.rank, "peak_rss_bytes": peak, "held_bytes": _held_bytes(
+        list(model.parameters()), optimizer), "step_s": statistics.median(times),
+        # Resident bytes after each phase (not peaks): where the peak was reached.
+        "rss_after_bytes": phases}
     Path(args.report).write_text(json.dumps(report))
     if args.mode == "fsdp":
         group.close()

@@ -231,23 +231,30 @@ def send_sharded_weights(root: PolicyScorer, sync_group, bucket_bytes: int) -> i
     gathers the parameters bucket by bucket, in weightsync's bucket plan of the
     whole tensors, and rank 0, which holds the weight-sync group (`sync_group`;
     None elsewhere), broadcasts each bucket to the engines, who receive it as
-    from a replicated trainer (weightsync.receive_weights). A bucket's gathered
-    tensors are copied into its flat buffer one at a time and dropped, so the
-    extra memory is one bucket plus one parameter on rank 0 and one parameter
-    elsewhere. Returns the bytes broadcast."""
+    from a replicated trainer (weightsync.receive_weights). Rank 0 fills one
+    byte buffer, sized for the largest bucket and reused by every bucket, from
+    the gathered tensors one at a time, so the extra memory is that buffer plus
+    one parameter on rank 0 and one parameter elsewhere. (A buffer per bucket
+    would briefly be two: gloo's worker thread can still hold the last bucket's
+    tensor when its broadcast's wait returns.) Returns the bytes broadcast."""
     from torch.distributed.tensor import DTensor
 
     from reflow.weightsync import broadcast_bucket, plan_buckets, specs_of
 
     named = policy_parameters(root)
     by_name = dict(named)
+    buckets = plan_buckets(specs_of(named), bucket_bytes)
+    staging = None
+    if sync_group is not None and buckets:
+        staging = torch.empty(max(sum(s.nbytes for s in b) for b in buckets),
+                              dtype=torch.uint8, device=root_device(root))
     sent = 0
     with torch.no_grad():
-        for bucket in plan_buckets(specs_of(named), bucket_bytes):
+        for bucket in buckets:
             flat = None
-            if sync_group is not None:
-                flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].torch_dtype,
-                                   device=root_device(root))
+            if staging is not None:
+                nbytes = sum(s.nbytes for s in bucket)
+                flat = staging[:nbytes].view(bucket[0].torch_dtype)
             offset = 0
             for spec in bucket:
                 p = by_name[spec.name]

@@ -44,7 +44,11 @@ run: setup
 	$(VENV)/bin/reflow run examples/quickstart.yaml
 
 test: setup system-deps security-lint lint
-	$(PY) -m pytest -q -ra --durations=30 -m "not image" tests
+	# The fast tests on both cores (pytest-xdist: 2 workers halve their 220 s), then the
+	# slow ones one at a time: each starts its own services and several train, so two
+	# at once would only contend for the cores and stretch their timeouts.
+	$(PY) -m pytest -q -ra -n 2 -m "not slow and not image" tests
+	$(PY) -m pytest -q -ra --durations=30 -m "slow and not image" tests
 
 # The CPU image, built with buildah (no Docker engine or registry; docker/build-image.sh),
 # and the test that runs it (the quickstart inside, read-only root, non-root user).
@@ -59,7 +63,7 @@ test-image: setup
 	$(PY) -m pytest -q -ra -m image tests/image
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not image" tests
 
 protos: setup
 	$(PY) -m reflow.protogen

@@ -16,7 +16,10 @@ loaded it; so in sync mode nothing is dispatched between the trainer's release
 and the new weights reaching every worker.
 
 Threads: one dispatch loop, one event reader per worker, one control loop;
-all state under one condition variable. A worker that cannot be reached is
+all state under one condition variable. Each loop's body is a public round
+(`dispatch_round`, `apply_events`, `control_round`) that reads time through the
+dispatcher's clock (core/clock.py): the simulator (reflow.sim) calls the same
+rounds on virtual time, without the threads. A worker that cannot be reached is
 retried; one that keeps failing is taken out of routing (the job's watcher
 fails the job when a worker process dies). A buffer that stays unreachable past
 its client's retries ends the dispatch loop with a one-line error that the
@@ -28,13 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from reflow.core.clock import WALL_CLOCK, Clock
 from reflow.core.config import JobSpec
 from reflow.core.errors import Unavailable
 from reflow.replay.client import ReplayClient
@@ -82,17 +85,18 @@ class Dispatcher:
     def __init__(self, job_id: str, spec: JobSpec, replay: ReplayClient,
                  workers: dict[str, WorkerClient], task: Task,
                  events_path: Path | None = None, standby: set[str] | None = None,
-                 ledger: DispatchLedger | None = None) -> None:
+                 ledger: DispatchLedger | None = None, clock: Clock = WALL_CLOCK) -> None:
         """`workers`: name -> client of each rollout worker of the job; `task` the
         job's prompt stream (seeded once for the job); `events_path` a JSONL file
         that receives every scheduling decision (None: the log only); `standby`:
         workers of an elastic job that start in the trainer role (never routed to
         until `set_standby(name, False)`); `ledger`: the job's durable stream
         position and groups in flight (scheduler/inflight.py), from which a
-        resumed job continues."""
+        resumed job continues; `clock` what its rounds read time from."""
         if not workers:
             raise ValueError("workers: a job needs at least one rollout worker")
         self.job_id, self.spec, self.replay, self.task = job_id, spec, replay, task
+        self.clock = clock
         self.clients = dict(workers)
         self.events_path = events_path
         self.group_size = spec.rollout.group_size
@@ -110,7 +114,10 @@ class Dispatcher:
         self.loads = {name: WorkerLoad(name, initial_cap, routable=False) for name in workers}
         self._standby = set(standby or ())
         self._unready = set(workers) - self._standby
-        self._ready_checked = 0.0
+        self._ready_checked = -READY_POLL_S
+        self._poll_s = BUDGET_POLL_S
+        # Per worker: the time, KV usage and preemption totals of its last stats.
+        self._control_last: dict[str, tuple[float, float, int]] = {}
         self._prompts = task.prompts()
         self._next_prompt: Prompt | None = None  # drawn, not yet dispatched
         # ... and its group id if it had one (a group going out again), and whether
@@ -239,7 +246,7 @@ class Dispatcher:
             else:
                 self._standby.discard(name)
                 self._unready.add(name)
-                self._ready_checked = 0.0
+                self._ready_checked = -READY_POLL_S
             self._cond.notify_all()
         self.record({"event": "worker_standby" if standby else "worker_admitting",
                      "worker": name})
@@ -259,7 +266,7 @@ class Dispatcher:
             worker = self.loads[name]
             worker.inflight, worker.predicted_tokens, worker.routable = 0, 0.0, False
             self._unready.add(name)
-            self._ready_checked = 0.0
+            self._ready_checked = -READY_POLL_S
             # The new process numbers its events from the start.
             self._events_restart.add(name)
             self.recovered_groups += len(lost)
@@ -292,7 +299,7 @@ class Dispatcher:
 
     def _check_ready(self) -> None:
         """Make workers whose engine now runs routable (at most every READY_POLL_S)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._ready_checked < READY_POLL_S:
             return
         self._ready_checked = now
@@ -311,37 +318,44 @@ class Dispatcher:
                               "kv_budget_tokens": stats.kv_cache_tokens})
 
     def _dispatch_loop(self) -> None:
-        poll_s = BUDGET_POLL_S
         while not self._stop.is_set():
-            if self._unready:
-                self._check_ready()
-            with self._cond:
-                room = sum(max(0, w.cap - w.inflight) for w in self.loads.values() if w.routable)
-                want = (room - self._granted) // self.group_size * self.group_size
-                if self._granted < self.group_size and any(w.routable for w in self.loads.values()):
-                    # One group in hand even when every cap is full: it goes out the
-                    # moment a sample ends, and a cap that turns it away is the
-                    # controller's evidence that the cap, not the budget, binds.
-                    want = max(want, self.group_size)
-            refused = False
-            if want >= self.group_size:
-                version = self.replay.stats(self.job_id).policy_version
-                self.policy_version = version
-                got = self.replay.acquire_dispatch(self.job_id, want, self.group_size,
-                                                   *self.spec.dispatch_limits(version))
-                refused = got == 0
-                with self._cond:
-                    self._granted += got
-            unrouted = False
-            while self._granted >= self.group_size and not self._stop.is_set():
-                if not self._route_one():
-                    unrouted = True
-                    break
-            poll_s = min(2 * poll_s, BUDGET_POLL_MAX_S) if refused else BUDGET_POLL_S
+            wait_s = self.dispatch_round()
             with self._cond:
                 # A sample's end or a cap change wakes the loop at once; with a group
                 # in hand that no worker can take, only they can change anything.
-                self._cond.wait(ROUTE_RETRY_S if unrouted else poll_s)
+                self._cond.wait(wait_s)
+
+    def dispatch_round(self) -> float:
+        """One round of the dispatch loop: ready workers made routable, budget
+        taken from the buffer for the room under the workers' caps, and every
+        granted group routed that a worker admits. Returns the seconds to wait
+        before the next round unless a sample's end or a cap change comes first."""
+        if self._unready:
+            self._check_ready()
+        with self._cond:
+            room = sum(max(0, w.cap - w.inflight) for w in self.loads.values() if w.routable)
+            want = (room - self._granted) // self.group_size * self.group_size
+            if self._granted < self.group_size and any(w.routable for w in self.loads.values()):
+                # One group in hand even when every cap is full: it goes out the
+                # moment a sample ends, and a cap that turns it away is the
+                # controller's evidence that the cap, not the budget, binds.
+                want = max(want, self.group_size)
+        refused = False
+        if want >= self.group_size:
+            version = self.replay.stats(self.job_id).policy_version
+            self.policy_version = version
+            got = self.replay.acquire_dispatch(self.job_id, want, self.group_size,
+                                               *self.spec.dispatch_limits(version))
+            refused = got == 0
+            with self._cond:
+                self._granted += got
+        unrouted = False
+        while self._granted >= self.group_size and not self._stop.is_set():
+            if not self._route_one():
+                unrouted = True
+                break
+        self._poll_s = min(2 * self._poll_s, BUDGET_POLL_MAX_S) if refused else BUDGET_POLL_S
+        return ROUTE_RETRY_S if unrouted else self._poll_s
 
     def _route_one(self) -> bool:
         prompt = self._peek_prompt()
@@ -435,9 +449,12 @@ class Dispatcher:
                 continue
             if events:
                 since = events[-1].seq
-                self._apply(events)
+                self.apply_events(events)
 
-    def _apply(self, events: list[SampleEvent]) -> None:
+    def apply_events(self, events: list[SampleEvent]) -> None:
+        """What a worker reported: each ended sample frees its slot and teaches the
+        length estimator; a group's end frees what did not end, and a group handed
+        back goes out again on its grant."""
         ended: list[str] = []
         with self._cond:
             for e in events:
@@ -476,35 +493,39 @@ class Dispatcher:
     # --- the slow loop ----------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        interval = self.spec.scheduler.control_interval_s
-        last: dict[str, tuple[float, float, int]] = {}
-        while not self._stop.wait(interval):
-            for name, client in self.clients.items():
-                try:
-                    stats = client.stats(self.job_id)
-                except Exception as err:  # noqa: BLE001 - next tick
-                    logger.debug("job %s: no stats from %s: %s", self.job_id, name, err)
+        while not self._stop.wait(self.spec.scheduler.control_interval_s):
+            self.control_round()
+
+    def control_round(self) -> None:
+        """One tick of the slow loop: each worker's KV-cache budget, and its
+        concurrency cap moved on its KV utilisation and preemptions since the
+        last tick (generation.ConcurrencyController, paper §6.1)."""
+        for name, client in self.clients.items():
+            try:
+                stats = client.stats(self.job_id)
+            except Exception as err:  # noqa: BLE001 - next tick
+                logger.debug("job %s: no stats from %s: %s", self.job_id, name, err)
+                continue
+            now = self.clock.monotonic()
+            prev = self._control_last.get(name)
+            self._control_last[name] = (now, stats.kv_usage_seconds_total,
+                                        stats.preempted_requests_total)
+            with self._cond:
+                worker = self.loads[name]
+                worker.kv_budget_tokens = stats.kv_cache_tokens
+                if prev is None or not self.concurrency_control:
                     continue
-                now = time.monotonic()
-                prev = last.get(name)
-                last[name] = (now, stats.kv_usage_seconds_total, stats.preempted_requests_total)
-                with self._cond:
-                    worker = self.loads[name]
-                    worker.kv_budget_tokens = stats.kv_cache_tokens
-                    if prev is None or not self.concurrency_control:
-                        continue
-                    utilisation = (stats.kv_usage_seconds_total - prev[1]) / max(now - prev[0],
-                                                                                 1e-6)
-                    decision = self.controller.update(
-                        worker, utilisation, stats.preempted_requests_total - prev[2])
-                    if decision.reason != "hold":
-                        self.cap_changes[decision.reason] += 1
-                        self._cond.notify_all()
+                utilisation = (stats.kv_usage_seconds_total - prev[1]) / max(now - prev[0], 1e-6)
+                decision = self.controller.update(
+                    worker, utilisation, stats.preempted_requests_total - prev[2])
                 if decision.reason != "hold":
-                    self.record(decision.as_event())
+                    self.cap_changes[decision.reason] += 1
+                    self._cond.notify_all()
+            if decision.reason != "hold":
+                self.record(decision.as_event())
 
     def record(self, event: dict) -> None:
-        event = {"time": round(time.time(), 3), "job_id": self.job_id, **event}
+        event = {"time": round(self.clock.time(), 3), "job_id": self.job_id, **event}
         logger.info("scheduling decision %s", json.dumps(event))
         if self.events_path is not None:
             try:

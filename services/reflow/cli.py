@@ -216,6 +216,12 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown datasets action {args.action!r}")
 
 
+def cmd_sim(args) -> int:
+    from reflow.sim.command import main as sim_main
+
+    return sim_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reflow", description="Replay-driven RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -265,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=["modes", "trace"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
     bench.set_defaults(fn=cmd_bench)
+
+    sim = sub.add_parser("sim", help="simulate a job at cluster scale: the product's buffer and "
+                         "dispatcher on a virtual clock, engines and trainers as cost models")
+    sim.add_argument("config", help="a sim config (examples/sim_qwen3_8b.yaml)")
+    sim.add_argument("--gpus", default="8,32", help="comma-separated GPU counts (default 8,32)")
+    sim.add_argument("--modes", default="sync,one_step_off,fully_async,reflow",
+                     help="comma-separated modes (default all four)")
+    sim.add_argument("--out", required=True, help="the directory to write")
+    sim.set_defaults(fn=cmd_sim)
 
     models = sub.add_parser("models", help="prepare model directories under the models root")
     models_sub = models.add_subparsers(dest="action", required=True)

@@ -116,6 +116,9 @@ class Dispatcher:
         self._unready = set(workers) - self._standby
         self._ready_checked = -READY_POLL_S
         self._poll_s = BUDGET_POLL_S
+        # Whether the last round ended with no group in hand because the buffer
+        # refused budget (its bounds, not the workers' caps, held dispatch back).
+        self.budget_refused = False
         # Per worker: the time, KV usage and preemption totals of its last stats.
         self._control_last: dict[str, tuple[float, float, int]] = {}
         self._prompts = task.prompts()
@@ -355,6 +358,8 @@ class Dispatcher:
                 unrouted = True
                 break
         self._poll_s = min(2 * self._poll_s, BUDGET_POLL_MAX_S) if refused else BUDGET_POLL_S
+        with self._cond:
+            self.budget_refused = refused and self._granted < self.group_size
         return ROUTE_RETRY_S if unrouted else self._poll_s
 
     def _route_one(self) -> bool:

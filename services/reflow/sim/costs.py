@@ -1,0 +1,153 @@
+"""What a simulated GPU job costs: every constant a field, with its source.
+
+The defaults describe a Qwen3-8B-like dense model in bf16 on H100-class GPUs.
+Published figures are cited; where a default is a derivation (bytes over a
+bandwidth, FLOPs over a peak) the derivation is given; where it is an
+assumption it says so, and bench/gpu_check.py measures it on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecodeCost(_Section):
+    """One continuous-batching decode step of an engine: a memory-bandwidth
+    floor (all weights read once) plus per-running-sequence and per-context-token
+    terms; prefill per prompt token; the KV cache's capacity."""
+
+    # 16.4 GB of bf16 weights over H100 SXM's 3.35 TB/s = 4.9 ms (H200, 4.8 TB/s: 3.4 ms).
+    floor_ms: float = Field(4.8, gt=0)
+    # Least squares through published H100 8B decode steps of 6.5 / 6.6 / 10.9 / 46.9 ms
+    # at 1 / 4 / 16 / 64 concurrent requests, with the floor fixed: 0.64 ms a sequence
+    # (fits 5.4 / 7.4 / 15.1 / 45.8 ms: the knee between 16 and 64 is not linear).
+    per_sequence_ms: float = Field(0.64, ge=0)
+    # KV read per context token per step: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
+    # = 147 KiB over 3.35 TB/s = 0.044 us.
+    per_context_token_us: float = Field(0.044, ge=0)
+    # 2 x 8.2e9 FLOPs a prompt token over 990 TFLOPS bf16 at 50 % utilisation.
+    prefill_per_token_us: float = Field(33.0, ge=0)
+    # (80 GB x 0.9 - 16.4 GB of weights) / 147 KiB a token.
+    kv_capacity_tokens: int = Field(380_000, gt=0)
+    # vLLM's max_num_seqs default.
+    max_running_sequences: int = Field(256, gt=0)
+
+    def steps_time_s(self, running: int, context: int, steps: int) -> float:
+        """Seconds for `steps` decode steps of `running` sequences whose contexts
+        total `context` tokens at the first (each step adds one token a sequence)."""
+        per_step = self.floor_ms / 1e3 + running * self.per_sequence_ms / 1e3
+        ctx_s = self.per_context_token_us / 1e6
+        return steps * (per_step + ctx_s * context) + ctx_s * running * steps * (steps - 1) / 2
+
+    def steps_within(self, running: int, context: int, seconds: float) -> int:
+        """How many whole decode steps fit in `seconds` (the inverse of steps_time_s)."""
+        if seconds <= 0:
+            return 0
+        a = self.per_context_token_us / 1e6 * running / 2
+        b = self.floor_ms / 1e3 + running * self.per_sequence_ms / 1e3 \
+            + self.per_context_token_us / 1e6 * context - a
+        n = seconds / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * seconds)) / (2 * a)
+        n = max(0, int(n))
+        while n > 0 and self.steps_time_s(running, context, n) > seconds:
+            n -= 1
+        while self.steps_time_s(running, context, n + 1) <= seconds:
+            n += 1
+        return n
+
+
+class LengthModel(_Section):
+    """Response lengths: each prompt's group median drawn lognormal, each sample
+    lognormal around it, capped at `max_tokens`; a curriculum stretches them by
+    `growth_per_step` each step. The defaults give math-RL's long tail: the Seer
+    traces have rollout at 63-84 % of an iteration and the last 10 % of requests
+    taking up to half of rollout time (check with `reflow sim` summary's
+    `tail_share`)."""
+
+    prompt_tokens: int = Field(512, gt=0)
+    median_tokens: float = Field(1500.0, gt=0)
+    group_sigma: float = Field(0.7, ge=0)
+    sample_sigma: float = Field(0.5, ge=0)
+    max_tokens: int = Field(8192, gt=0)
+    growth_per_step: float = Field(0.0, ge=0)
+
+    def group_median(self, rng: random.Random) -> float:
+        return self.median_tokens * math.exp(rng.gauss(0.0, self.group_sigma))
+
+    def sample(self, rng: random.Random, group_median: float, step: int) -> int:
+        n = group_median * math.exp(rng.gauss(0.0, self.sample_sigma))
+        n *= (1.0 + self.growth_per_step) ** step
+        return max(1, min(self.max_tokens, int(n)))
+
+
+class TrainCost(_Section):
+    """The trainer: FLOPs per trained token over the group's sustained FLOPS."""
+
+    parameters: float = Field(8.2e9, gt=0)
+    # Forward and backward (6 N) plus the old-policy forward the loss needs (2 N).
+    flops_per_token_per_parameter: float = Field(8.0, gt=0)
+    # H100 SXM dense bf16.
+    peak_flops_per_gpu: float = Field(989e12, gt=0)
+    # Assumption: FSDP training of an 8B model at 40 % MFU.
+    utilisation: float = Field(0.4, gt=0, le=1)
+    # Assumption: optimizer step and bookkeeping a step.
+    step_overhead_s: float = Field(0.5, ge=0)
+
+    def step_s(self, tokens: int, gpus: int) -> float:
+        flops = tokens * self.parameters * self.flops_per_token_per_parameter
+        return self.step_overhead_s + flops / (gpus * self.peak_flops_per_gpu * self.utilisation)
+
+
+class SyncCost(_Section):
+    """Weight sync and the colocated (sync mode) switch between roles."""
+
+    weight_bytes: float = Field(16.4e9, gt=0)
+    # Assumption: NCCL broadcast from the trainer to the engines at 25 GB/s effective
+    # (bench/gpu_check.py measures it on a lent GPU).
+    bandwidth_bytes_per_s: float = Field(25e9, gt=0)
+    # Assumption: the engines' pause, load and resume around the transfer.
+    overhead_s: float = Field(1.0, ge=0)
+    # vLLM sleep/wake: 0.1-6 s reported; a colocated step sleeps and wakes once each.
+    colocate_switch_s: float = Field(3.0, ge=0)
+
+    @property
+    def sync_s(self) -> float:
+        return self.overhead_s + self.weight_bytes / self.bandwidth_bytes_per_s
+
+
+class CostModel(_Section):
+    decode: DecodeCost = DecodeCost()
+    lengths: LengthModel = LengthModel()
+    train: TrainCost = TrainCost()
+    sync: SyncCost = SyncCost()
+    # GPUs per rollout engine (tensor parallel): 1 for an 8B model.
+    gpus_per_engine: int = Field(1, gt=0)
+
+
+class SimConfig(_Section):
+    """`reflow sim CONFIG`: the job (a JobSpec mapping; its mode is replaced by
+    each `--modes` entry), the cluster split and the cost model."""
+
+    job: dict = Field(description="A JobSpec, as in a job YAML (model.path is not read).")
+    # Disaggregated modes: the share of GPUs that generate (sync mode colocates).
+    rollout_fraction: float = Field(0.75, gt=0, lt=1)
+    # Samples a step per GPU: trainer.batch_size = this x GPUs, rounded to whole groups.
+    samples_per_gpu: int | None = Field(None, gt=0)
+    steps: int = Field(200, gt=0)
+    # Steps left out of the throughput (the pipeline filling).
+    warmup_steps: int = Field(5, ge=0)
+    seed: int = 0
+    costs: CostModel = CostModel()
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps "
+                             f"({self.steps})")
+        return self

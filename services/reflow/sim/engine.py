@@ -1,0 +1,281 @@
+"""A simulated rollout engine: the dispatcher's WorkerClient, on a cost model.
+
+Continuous batching as vLLM schedules it: waiting sequences join the running
+batch at a step boundary while the KV cache and max_num_seqs allow; every
+decode step adds one token to every running sequence and costs
+DecodeCost.steps_time_s; when the cache runs out the newest sequence is
+preempted and recomputed later (its prompt and tokens prefilled again). Time
+advances lazily, in whole steps, when the simulation asks (`advance_to`); a
+sequence submitted between two boundaries joins at the earlier one (less than
+one step early). A finished group goes to the replay buffer through the
+product's ReplayClient, as a worker's put, and its end is reported as the
+worker's events are (SampleEvent)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+from reflow.core.clock import VirtualClock
+from reflow.core.types import Segment, Trajectory, group_advantages
+from reflow.replay.client import ReplayClient
+from reflow.rollout.client import RolloutStats
+from reflow.rollout.records import SampleEvent
+from reflow.sim.costs import CostModel
+from reflow.tasks import Prompt
+
+
+@dataclass
+class _Seq:
+    group_id: str
+    index: int
+    prompt_tokens: int
+    target: int  # response tokens it will generate
+    done_segments: list[list[int]] = field(default_factory=list)  # [version, tokens]
+    generated: int = 0  # before its current run
+    run_start: int = 0  # the engine's token counter when this run began
+    context: int = 0  # KV tokens held at run start (prompt + generated)
+    admitted: bool = False
+
+
+@dataclass
+class _Group:
+    prompt: Prompt
+    members: list[_Seq]
+    reward_p: float
+    left: int
+
+
+class SimEngine:
+    """One engine of `gpus` GPUs (tensor parallel), named as a worker."""
+
+    def __init__(self, name: str, job_id: str, costs: CostModel, replay: ReplayClient,
+                 rng: random.Random, group_size: int, step_of, sample_tokens: dict,
+                 clock: VirtualClock) -> None:
+        """`step_of()`: the trainer's step (the length curriculum's); `sample_tokens`:
+        sample id -> (prompt, response) tokens, filled as samples finish."""
+        self.name, self.job_id, self.costs, self.replay = name, job_id, costs, replay
+        self.group_size, self.sample_tokens, self.clock = group_size, sample_tokens, clock
+        self.decode = costs.decode
+        self.rng, self._step_of = rng, step_of
+        self.t = 0.0
+        self.counter = 0  # decode steps taken; a running sequence's length grows with it
+        self.running: dict[tuple[str, int], _Seq] = {}
+        self._ends: list[tuple[int, str, int]] = []  # (counter at its end, group, index)
+        self.waiting: list[_Seq] = []
+        self.context = 0  # KV tokens of the running batch
+        self.groups: dict[str, _Group] = {}
+        self.version = 0
+        self._versions: list[tuple[int, int]] = [(0, 0)]  # (counter, version) from then
+        self.paused_until = 0.0  # a weight load
+        self.draining = False  # no admission until the running batch finishes
+        self._next: float | None = None  # next_time, until the state changes
+        self.events: list[SampleEvent] = []
+        self._seq = 0
+        # RolloutStats' counters.
+        self.generated_tokens = self.finished_samples = self.preemptions = 0
+        self.idle_s = self.kv_usage_s = self.occupancy_s = 0.0
+        self.cap = 0
+
+    # --- WorkerClient -----------------------------------------------------------------
+
+    def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
+                     concurrency_cap: int = 0, bounds: tuple[int, int] | None = None) -> bool:
+        self.advance_to(self.clock.now)  # an idle engine starts the group now
+        self._next = None
+        lengths = self.costs.lengths
+        median = lengths.group_median(self.rng)
+        members = [_Seq(group_id, i, lengths.prompt_tokens,
+                        lengths.sample(self.rng, median, self._step_of()))
+                   for i in range(self.group_size)]
+        if bounds is not None:
+            for m in members:
+                m.target = max(bounds[0], min(bounds[1], m.target))
+        self.cap = concurrency_cap
+        # A harder prompt (longer answers) is solved less often: rewards vary in a group.
+        self.groups[group_id] = _Group(prompt, members, min(0.9, 500.0 / median), len(members))
+        self.waiting.extend(members)
+        return True
+
+    def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
+        return [e for e in self.events if e.seq > since_seq]
+
+    def stats(self, job_id: str) -> RolloutStats:
+        return RolloutStats(
+            generated_tokens_total=self.generated_tokens,
+            finished_samples_total=self.finished_samples, idle_seconds_total=self.idle_s,
+            inflight_samples=len(self.running) + len(self.waiting), policy_version=self.version,
+            state="running", error="", occupancy_seconds_total=self.occupancy_s,
+            kv_usage_seconds_total=self.kv_usage_s, preempted_requests_total=self.preemptions,
+            kv_cache_tokens=self.decode.kv_capacity_tokens, concurrency_cap=self.cap)
+
+    # --- the simulation's side ------------------------------------------------------
+
+    def take_events(self) -> list[SampleEvent]:
+        events, self.events = self.events, []
+        return events
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def next_time(self) -> float:
+        """When the next sequence ends (inf: nothing runs)."""
+        if self._next is None:
+            self._next = self._next_time()
+        return self._next
+
+    def _next_time(self) -> float:
+        self._admit()
+        start = max(self.t, self.paused_until)
+        if not self.running:
+            return math.inf
+        steps = self._steps_to_next_change()
+        return start + self.decode.steps_time_s(len(self.running), self.context, steps)
+
+    def advance_to(self, now: float) -> None:
+        """Take every whole step that ends by `now`."""
+        while True:
+            if self.paused_until > self.t:
+                if self.paused_until > now:
+                    break
+                self.t, self._next = self.paused_until, None
+            self._admit()
+            if not self.running:
+                if now > self.t:
+                    self.idle_s += now - self.t
+                    self.t, self._next = now, None
+                return
+            b = len(self.running)
+            steps = min(self._steps_to_next_change(),
+                        # A nanosecond's slack: `now` may be this engine's own
+                        # next_time, computed the other way round in floats.
+                        self.decode.steps_within(b, self.context, now - self.t + 1e-9))
+            if steps == 0:
+                return
+            self._next = None
+            dt = self.decode.steps_time_s(b, self.context, steps)
+            kv = self.decode.kv_capacity_tokens
+            self.kv_usage_s += dt * min(1.0, (self.context + b * steps / 2) / kv)
+            self.occupancy_s += dt * min(1.0, b / max(1, self.cap or b))
+            self.t += dt
+            self.counter += steps
+            self.context += b * steps
+            self.generated_tokens += b * steps
+            self._finish_ended()
+            if self.context + len(self.running) > kv:
+                self._preempt()
+
+    def load_weights(self, version: int, now: float, until: float) -> None:
+        """A weight update from `now`: paused until `until`; the tokens generated
+        after it are `version`'s."""
+        self.advance_to(now)
+        self.paused_until = max(self.paused_until, until)
+        self.version = version
+        self._versions.append((self.counter, version))
+        self.drain(False)
+
+    def drain(self, draining: bool) -> None:
+        """Admit nothing more (True) until the update (a weight update without
+        partial rollout lets the running samples finish under the old weights)."""
+        self.draining = draining
+        self._next = None
+
+    # --- internals --------------------------------------------------------------------
+
+    def _steps_to_next_change(self) -> int:
+        while self._ends and (self._ends[0][1], self._ends[0][2]) not in self.running:
+            heapq.heappop(self._ends)  # preempted since
+        to_end = self._ends[0][0] - self.counter
+        room = (self.decode.kv_capacity_tokens - self.context) // max(1, len(self.running))
+        return max(1, min(to_end, room))
+
+    def _admit(self) -> None:
+        if self.draining or self.paused_until > self.t:
+            return
+        kv = self.decode.kv_capacity_tokens
+        while self.waiting and len(self.running) < self.decode.max_running_sequences:
+            seq = self.waiting[0]
+            need = seq.prompt_tokens + seq.generated
+            if self.context + need + 1 > kv and self.running:
+                break
+            self.waiting.pop(0)
+            seq.run_start, seq.context, seq.admitted = self.counter, need, True
+            self.running[(seq.group_id, seq.index)] = seq
+            self.context += need
+            heapq.heappush(self._ends, (self.counter + seq.target - seq.generated,
+                                        seq.group_id, seq.index))
+            # Prefill (a preempted sequence recomputes its tokens too).
+            self.t += need * self.decode.prefill_per_token_us / 1e6
+
+    def _run_segments(self, seq: _Seq) -> list[list[int]]:
+        """The versions of the tokens of `seq`'s current run."""
+        end = self.counter
+        out: list[list[int]] = []
+        for i, (at, version) in enumerate(self._versions):
+            nxt = self._versions[i + 1][0] if i + 1 < len(self._versions) else math.inf
+            lo, hi = max(at, seq.run_start), min(nxt, end)
+            if hi > lo:
+                out.append([version, hi - lo])
+        return out
+
+    def _finish_ended(self) -> None:
+        while self._ends and self._ends[0][0] <= self.counter:
+            _, gid, index = heapq.heappop(self._ends)
+            seq = self.running.pop((gid, index), None)
+            if seq is None:
+                continue
+            seq.done_segments += self._run_segments(seq)
+            seq.generated = seq.target
+            self.sample_tokens[f"{gid}-{index}"] = (seq.prompt_tokens, seq.target)
+            self.context -= seq.context + (self.counter - seq.run_start)
+            self.finished_samples += 1
+            self._seq += 1
+            self.events.append(SampleEvent(self._seq, gid, index, seq.target, seq.prompt_tokens,
+                                           self.version))
+            group = self.groups[gid]
+            group.left -= 1
+            if group.left == 0:
+                self._put(gid, group)
+
+    def _preempt(self) -> None:
+        """Recompute preemption: the newest running sequence leaves the cache and
+        waits at the head of the queue with what it generated."""
+        key = max(self.running, key=lambda k: self.running[k].run_start)
+        seq = self.running.pop(key)
+        seq.done_segments += self._run_segments(seq)
+        ran = self.counter - seq.run_start
+        self.context -= seq.context + ran
+        seq.generated += ran
+        seq.admitted = False
+        self.waiting.insert(0, seq)
+        self.preemptions += 1
+
+    def _put(self, gid: str, group: _Group) -> None:
+        del self.groups[gid]
+        rewards = [1.0 if self.rng.random() < group.reward_p else 0.0 for _ in group.members]
+        trajectories = []
+        for seq, reward, adv in zip(group.members, rewards, group_advantages(rewards)):
+            # One placeholder token a segment: the buffer sees each sample's versions;
+            # its length lives with the simulation (Simulation.tokens).
+            segments = [Segment(v, 1) for v, _ in _merged(seq.done_segments)]
+            n = len(segments)
+            trajectories.append(Trajectory(
+                sample_id=f"{gid}-{seq.index}", group_id=gid, prompt_ids=[0], response_ids=[0] * n,
+                logprobs=[0.0] * n, loss_mask=[1] * n, segments=segments, reward=reward,
+                advantage=adv, created_at=self.t))
+        self.replay.put(self.job_id, trajectories)
+        self._seq += 1
+        self.events.append(SampleEvent(self._seq, gid, -1, policy_version=self.version))
+
+
+def _merged(segments: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for version, n in segments:
+        if out and out[-1][0] == version:
+            out[-1][1] += n
+        else:
+            out.append([version, n])
+    return out

@@ -1,0 +1,269 @@
+"""One simulated job: the product's Dispatcher and ReplayStore on a virtual
+clock, SimEngines generating, and a trainer that costs TrainCost per step.
+
+The trainer follows TrainLoop's step (trainer/loop.py): lease a batch from the
+buffer (its wait is the trainer's idle time), train, release, and every
+`trainer.sync_interval` steps publish a version: without partial rollout the
+engines first stop admitting and finish what runs (the update waits for them,
+verl's one_step_off), then every engine pauses for SyncCost.sync_s and the
+buffer learns the version. In sync mode rollout and trainer share every GPU
+(JobSpec.colocated) and each role switch costs SyncCost.colocate_switch_s.
+
+Writes OUT/metrics.jsonl (one record a step, under the field names of a real
+run's, trainer/records.py) and OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+from reflow.core.clock import VirtualClock
+from reflow.core.config import MODE_PRESETS, JobSpec, parse_job_spec
+from reflow.replay.client import InprocReplayClient
+from reflow.replay.store import ReplayStore
+from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
+from reflow.sim.costs import SimConfig
+from reflow.sim.engine import SimEngine
+from reflow.tasks import Prompt
+
+JOB_ID = "sim"
+
+
+class SimTask:
+    """The dispatcher's prompt stream: prompts are ids (lengths are the engines')."""
+
+    def prompts(self):
+        i = 0
+        while True:
+            i += 1
+            yield Prompt(f"p{i}", f"prompt {i}", "")
+
+
+def job_spec(config: SimConfig, mode: str, gpus: int) -> JobSpec:
+    data = json.loads(json.dumps(config.job))
+    data["mode"] = mode
+    # The fields a mode fixes (MODE_PRESETS) are the mode's: the config's reflow
+    # settings (σ, τ, ...) do not carry over to a baseline.
+    for section, name in MODE_PRESETS[mode]:
+        data.get(section, {}).pop(name, None)
+    data.setdefault("model", {"path": "simulated"})
+    if config.samples_per_gpu is not None:
+        group = data.get("rollout", {}).get("group_size", 8)
+        batch = max(group, config.samples_per_gpu * gpus // group * group)
+        data.setdefault("trainer", {})["batch_size"] = batch
+    data.setdefault("trainer", {})["num_steps"] = config.steps
+    return parse_job_spec(data)
+
+
+def split(config: SimConfig, spec: JobSpec, gpus: int) -> tuple[int, int]:
+    """(rollout engines, trainer GPUs) for `gpus`."""
+    per_engine = config.costs.gpus_per_engine
+    if spec.colocated:
+        return max(1, gpus // per_engine), gpus
+    rollout_gpus = max(per_engine, round(gpus * config.rollout_fraction) // per_engine * per_engine)
+    if rollout_gpus >= gpus:
+        raise ValueError(f"rollout_fraction {config.rollout_fraction} leaves no trainer GPU "
+                         f"of {gpus}")
+    return rollout_gpus // per_engine, gpus - rollout_gpus
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, mode: str, gpus: int, redis_client, out: Path) -> None:
+        self.config, self.mode, self.gpus, self.out = config, mode, gpus, out
+        self.spec = spec = job_spec(config, mode, gpus)
+        self.costs = config.costs
+        self.clock = VirtualClock(epoch=0.0)
+        redis_client.flushdb()
+        self.replay = InprocReplayClient(ReplayStore(redis_client, seed=config.seed))
+        self.replay.configure(JOB_ID, spec.replay)
+        engines, self.trainer_gpus = split(config, spec, gpus)
+        rng = random.Random(config.seed)
+        self.sample_tokens: dict[str, tuple[int, int]] = {}
+        self.step = 0
+        self.engines = {f"rollout-{i}": SimEngine(f"rollout-{i}", JOB_ID, self.costs, self.replay,
+                                                  random.Random(rng.random()),
+                                                  spec.rollout.group_size, lambda: self.step,
+                                                  self.sample_tokens, self.clock)
+                        for i in range(engines)}
+        self.dispatcher = Dispatcher(JOB_ID, spec, self.replay, self.engines, SimTask(),
+                                     clock=self.clock)
+        self.version = 0
+        self.records: list[dict] = []
+
+    # --- the event loop ---------------------------------------------------------------
+
+    def run(self) -> dict:
+        started = time.monotonic()
+        spec, clock = self.spec, self.clock
+        interval = spec.scheduler.control_interval_s
+        next_control = interval
+        next_dispatch = 0.0
+        state, state_until = "idle", 0.0  # idle | training | draining | syncing
+        step_start = wait_s = sync_wait_s = sync_s = train_s = 0.0
+        previous_end = 0.0
+        lease = None
+        before = self._rollout_totals()
+        dirty = True
+        # Whether a lease could now succeed where the last failed: a group was put, a
+        # batch released or a version published (a lease is the buffer's Lua script,
+        # so it is tried again only then, not at every event).
+        fresh_data = fresh_budget = True
+        while len(self.records) < spec.trainer.num_steps:
+            now = clock.now
+            if dirty and self.dispatcher.budget_refused and not fresh_budget:
+                # Refused, and neither a release, an eviction nor a version since:
+                # the buffer would refuse again (the freed slots wait for budget).
+                dirty = False
+            if dirty and now >= next_dispatch:
+                # At most one round a budget poll (what a round trip to the buffer
+                # takes anyway): the sample ends within it are routed for together.
+                self.dispatcher.dispatch_round()
+                dirty, fresh_budget, next_dispatch = False, False, now + BUDGET_POLL_S
+            if now >= next_control:
+                caps = {n: w.cap for n, w in self.dispatcher.loads.items()}
+                self.dispatcher.control_round()
+                dirty |= caps != {n: w.cap for n, w in self.dispatcher.loads.items()}
+                next_control = now + interval
+            if state == "idle" and fresh_data:
+                # A lease evicts what δ has made stale, which refunds budget.
+                fresh_data, fresh_budget = False, True
+                batch = self.replay.sample(JOB_ID, spec.trainer.batch_size,
+                                           spec.replay.lease_ttl_s, timeout_s=0.0)
+                if batch is not None:
+                    lease, wait_s = batch, now - step_start
+                    tokens = sum(self.sample_tokens[t.sample_id][1] for t in batch.trajectories)
+                    gpus = self.trainer_gpus
+                    train_s = self.costs.train.step_s(tokens, gpus)
+                    if spec.colocated:
+                        train_s += 2 * self.costs.sync.colocate_switch_s
+                    state, state_until = "training", now + train_s
+                    continue
+            elif state == "training" and now >= state_until:
+                self.replay.release(JOB_ID, lease.lease_id)
+                self.step += 1
+                dirty = fresh_data = fresh_budget = True
+                sync_wait_s = sync_s = 0.0
+                if self.step % spec.trainer.sync_interval == 0:
+                    # Without partial rollout the engines admit nothing more and
+                    # finish what runs under the old weights first.
+                    for e in self.engines.values():
+                        e.advance_to(now)
+                        e.drain(not spec.rollout.partial_rollout)
+                    state, state_until, sync_started = "draining", now, now
+                else:
+                    state = "step_end"
+                continue
+            elif state == "draining":
+                if spec.rollout.partial_rollout or not any(e.running
+                                                           for e in self.engines.values()):
+                    sync_wait_s = now - sync_started
+                    state, state_until = "syncing", now + self.costs.sync.sync_s
+                    for e in self.engines.values():
+                        e.load_weights(self.version + 1, now, state_until)
+                    continue
+            elif state == "syncing" and now >= state_until:
+                self.version += 1
+                self.replay.publish_version(JOB_ID, self.version)
+                sync_s = now - sync_started
+                state, dirty = "step_end", True
+                fresh_data = fresh_budget = True
+                continue
+            elif state == "step_end":
+                after = self._rollout_totals()
+                self._record(lease, now - previous_end, wait_s, train_s, sync_s, sync_wait_s,
+                             before, after)
+                before, previous_end = after, now
+                step_start, state = now, "idle"
+                continue
+            # Nothing to do now: on to the next event.
+            nxt = min([next_control, *(e.next_time() for e in self.engines.values()),
+                       state_until if state in ("training", "syncing") else math.inf,
+                       next_dispatch if dirty else math.inf])
+            if nxt == math.inf:
+                raise RuntimeError(f"{self.mode} at {self.gpus} GPUs stalled at step {self.step}: "
+                                   "no engine runs and the trainer has no batch")
+            clock.advance_to(max(nxt, now))
+            for e in self.engines.values():
+                if e.next_time() <= clock.now:
+                    e.advance_to(clock.now)
+                    events = e.take_events()
+                    if events:
+                        self.dispatcher.apply_events(events)
+                        dirty = True
+                        put = any(e.sample_index < 0 for e in events)
+                        # A put may evict stale samples, which refunds budget.
+                        fresh_data |= put
+                        fresh_budget |= put
+        return self._summary(time.monotonic() - started)
+
+    # --- records ----------------------------------------------------------------------
+
+    def _rollout_totals(self) -> tuple[float, float, int]:
+        now = self.clock.now
+        for e in self.engines.values():
+            e.advance_to(now)
+        return (sum(e.idle_s for e in self.engines.values()),
+                sum(e.occupancy_s for e in self.engines.values()),
+                sum(e.generated_tokens for e in self.engines.values()))
+
+    def _record(self, batch, step_s, wait_s, train_s, sync_s, sync_wait_s, before, after) -> None:
+        trajs = batch.trajectories
+        staleness = [batch.policy_version - t.oldest_version for t in trajs]
+        replayed = sum(1 for t in trajs if t.uses > 0)
+        fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
+        trained = sum(self.sample_tokens[t.sample_id][1] for t in trajs)
+        n = len(self.engines)
+        histogram: dict[str, int] = {}
+        for s in staleness:
+            histogram[str(s)] = histogram.get(str(s), 0) + 1
+        record = {
+            "step": self.step, "policy_version": self.version, "time_s": round(self.clock.now, 3),
+            "trained_tokens": trained, "step_time_s": step_s,
+            "trainer_tokens_per_s": trained / step_s if step_s > 0 else 0.0,
+            "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s else 0.0,
+            "rollout_idle_ratio": min(1.0, (after[0] - before[0]) / (step_s * n)) if step_s else 0.0,
+            "rollout_utilisation": min(1.0, (after[1] - before[1]) / (step_s * n)) if step_s else 0.0,
+            "generated_tokens": after[2] - before[2],
+            "fresh_samples": fresh, "stale_samples": len(trajs) - fresh - replayed,
+            "replay_samples": replayed, "staleness_histogram": histogram,
+            "wait_s": wait_s, "train_s": train_s, "sync_s": sync_s, "sync_wait_s": sync_wait_s,
+            "rollout_workers": n, "trainer_gpus": self.trainer_gpus,
+        }
+        self.records.append(record)
+
+    def _summary(self, wall_s: float) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "metrics.jsonl").open("w") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+        measured = self.records[self.config.warmup_steps:]
+        span = sum(r["step_time_s"] for r in measured)
+        trained = sum(r["trained_tokens"] for r in measured)
+
+        def mean(key: str) -> float:
+            return sum(r[key] * r["step_time_s"] for r in measured) / span if span else 0.0
+
+        snapshot = self.dispatcher.snapshot()
+        summary = {
+            "mode": self.mode, "gpus": self.gpus, "rollout_engines": len(self.engines),
+            "trainer_gpus": self.trainer_gpus, "steps": self.step, "phase": "SUCCEEDED",
+            "simulated_s": round(self.clock.now, 3), "wall_s": round(wall_s, 3),
+            "throughput_tokens_per_s": trained / span if span else 0.0,
+            "trainer_idle_ratio": mean("trainer_idle_ratio"),
+            "rollout_idle_ratio": mean("rollout_idle_ratio"),
+            "replay_fraction": sum(r["replay_samples"] for r in measured)
+            / max(1, sum(r["replay_samples"] + r["fresh_samples"] + r["stale_samples"]
+                         for r in measured)),
+            "mean_staleness": sum(int(k) * v for r in measured
+                                  for k, v in r["staleness_histogram"].items())
+            / max(1, sum(v for r in measured for v in r["staleness_histogram"].values())),
+            "preempted_requests": sum(e.preemptions for e in self.engines.values()),
+            "cap_changes": snapshot["cap_changes"],
+            "admission_rejections": snapshot["admission_rejections"],
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary

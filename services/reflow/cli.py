@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--modes", default="sync,one_step_off,fully_async,reflow",
                      help="comma-separated modes (default all four)")
     sim.add_argument("--out", required=True, help="the directory to write")
+    sim.add_argument("overrides", nargs="*", metavar="section.field=value",
+                     help="overrides of the config's job (an ablation: replay.replay_cap=0)")
     sim.set_defaults(fn=cmd_sim)
 
     models = sub.add_parser("models", help="prepare model directories under the models root")

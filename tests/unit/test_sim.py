@@ -121,7 +121,7 @@ def test_decode_steps_and_their_inverse_agree():
 
 def test_the_command_writes_each_run_and_the_table(tmp_path, capsys):
     config = tmp_path / "sim.yaml"
-    data = _small(3).model_dump(mode="json")
+    data = _small(6).model_dump(mode="json")
     import yaml
 
     config.write_text(yaml.safe_dump(data))
@@ -132,6 +132,11 @@ def test_the_command_writes_each_run_and_the_table(tmp_path, capsys):
     assert (tmp_path / "out" / "4gpus" / "reflow" / "metrics.jsonl").exists()
     table = capsys.readouterr().out
     assert "vs sync" in table and "reflow" in table
+    # An ablation is an override of the job: replay off.
+    assert main(Namespace(config=str(config), gpus="4", modes="reflow", out=str(tmp_path / "ab"),
+                          overrides=["replay.replay_cap=0"])) == 0
+    ablated = json.loads((tmp_path / "ab" / "results.json").read_text())["4"]["reflow"]
+    assert ablated["replay_fraction"] == 0.0 < results["4"]["reflow"]["replay_fraction"]
 
 
 def test_a_bad_config_names_its_field(tmp_path):

@@ -1,5 +1,5 @@
-"""`reflow sim CONFIG [--gpus 8,32,128] [--modes ...] --out DIR`: each mode at
-each GPU count, one embedded Redis for all of them (flushed between runs).
+"""`reflow sim CONFIG [--gpus 8,32,128] [--modes ...] --out DIR [job overrides]`:
+each mode at each GPU count, one embedded Redis for all of them (flushed between runs).
 Writes DIR/<gpus>gpus/<mode>/{metrics.jsonl,summary.json} and DIR/results.json,
 and prints the modes table (throughput against sync, idle ratios)."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from reflow.core.config import apply_overrides
 from reflow.sim.costs import SimConfig
 
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
@@ -61,6 +62,10 @@ def table(results: dict) -> str:
 
 def main(args) -> int:
     config = load_config(Path(args.config))
+    overrides = getattr(args, "overrides", None) or []
+    if overrides:
+        job = apply_overrides(json.loads(json.dumps(config.job)), overrides)
+        config = config.model_copy(update={"job": job})
     gpus = [int(g) for g in args.gpus.split(",") if g]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]

@@ -65,10 +65,10 @@ class DecodeCost(_Section):
 class LengthModel(_Section):
     """Response lengths: each prompt's group median drawn lognormal, each sample
     lognormal around it, capped at `max_tokens`; a curriculum stretches them by
-    `growth_per_step` each step. The defaults give math-RL's long tail: the Seer
-    traces have rollout at 63-84 % of an iteration and the last 10 % of requests
-    taking up to half of rollout time (check with `reflow sim` summary's
-    `tail_share`)."""
+    `growth_per_step` each step. The defaults are an assumption of a math-RL
+    long tail (median 1,500 tokens, capped at 8,192), not yet fitted to the
+    published traces (Seer: rollout 63-84 % of an iteration, the last 10 % of
+    requests up to half of rollout time)."""
 
     prompt_tokens: int = Field(512, gt=0)
     median_tokens: float = Field(1500.0, gt=0)

@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim", help="simulate a job at cluster scale: the product's buffer and "
                          "dispatcher on a virtual clock, engines and trainers as cost models")
-    sim.add_argument("config", help="a sim config (examples/sim_qwen3_8b.yaml)")
+    sim.add_argument("config", help="a sim config (examples/sim/qwen3_8b.yaml)")
     sim.add_argument("--gpus", default="8,32", help="comma-separated GPU counts (default 8,32)")
     sim.add_argument("--modes", default="sync,one_step_off,fully_async,reflow",
                      help="comma-separated modes (default all four)")

@@ -21,7 +21,7 @@ from reflow.sim.costs import DecodeCost, SimConfig
 from reflow.sim.run import Simulation
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "sim_qwen3_8b.yaml"
+EXAMPLE = REPO / "examples" / "sim" / "qwen3_8b.yaml"
 
 
 def _small(steps: int = 6) -> SimConfig:

@@ -81,11 +81,12 @@ class Simulation:
         self.replay = InprocReplayClient(ReplayStore(redis_client, seed=config.seed))
         self.replay.configure(JOB_ID, spec.replay)
         engines, self.trainer_gpus = split(config, spec, gpus)
-        rng = random.Random(config.seed)
+        # The simulation's draws (lengths, rewards), seeded: one seed, one result.
+        rng = random.Random(config.seed)  # nosec B311 # a simulation's draws, not security
         self.sample_tokens: dict[str, tuple[int, int]] = {}
         self.step = 0
         self.engines = {f"rollout-{i}": SimEngine(f"rollout-{i}", JOB_ID, self.costs, self.replay,
-                                                  random.Random(rng.random()),
+                                                  random.Random(rng.random()),  # nosec B311
                                                   spec.rollout.group_size, lambda: self.step,
                                                   self.sample_tokens, self.clock)
                         for i in range(engines)}

@@ -73,7 +73,10 @@ def test_an_fsdp_job_trains_sharded_checkpoints_its_shards_and_resumes(tmp_path,
     assert {r["trainer_workers"] for r in records} == {2}
     versions = [r["policy_version"] for r in records]
     assert versions == list(range(1, len(records) + 1))  # every step published
-    assert all(r["trained_tokens"] > 0 and r["grad_norm"] > 0 for r in records)
+    # A batch whose rewards are all equal (the tiny random model scores 0 on most
+    # samples) has zero advantages and no gradient; the others do.
+    assert all(r["trained_tokens"] > 0 for r in records)
+    assert any(r["grad_norm"] > 0 for r in records), records
     leader_log = (out / "logs" / "worker-0.log").read_text()
     assert "fsdp trainer group epoch 1: 2 ranks" in leader_log
     # Each checkpoint holds a shard file of each rank and says it is sharded.
@@ -116,9 +119,13 @@ def test_an_fsdp_job_flips_roles_by_moving_shards(tmp_path, tiny_model):
     assert json.loads((out / "summary.json").read_text())["phase"] == "SUCCEEDED"
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 8))
-    assert all(r["trained_tokens"] > 0 and r["grad_norm"] > 0 for r in records)
+    # A batch whose rewards are all equal has zero advantages and no gradient (the
+    # tiny random model scores 0 on most samples): every group size trained with one.
+    assert all(r["trained_tokens"] > 0 for r in records)
     sizes = [r["trainer_workers"] for r in records]
     assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1, sizes
+    for size in (1, 2):
+        assert any(r["grad_norm"] > 0 for r in records if r["trainer_workers"] == size), records
     leader_log = (out / "logs" / "worker-0.log").read_text()
     assert "fsdp trainer group epoch 1: 1 ranks" in leader_log
     events = [json.loads(line) for line in

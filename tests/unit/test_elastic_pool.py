@@ -44,8 +44,13 @@ class Leader:
         self.epoch, self.peers, self.pending, self.polls = 0, [], None, 0
         self.history: list[list[str]] = []
         self.engines: list[list[str]] = []
+        self.scripted: list[tuple[int, list[str] | None]] = []  # (count, peers) as reported
 
-    def reconfigure(self, job_id, peers, rollout_addresses=None):
+    def reconfigure(self, job_id, peers, rollout_addresses=None, scripted_flips=0):
+        if scripted_flips:
+            self.scripted.append((scripted_flips, None if peers is None else list(peers)))
+        if peers is None:
+            return self.epoch
         self.pending, self.polls = list(peers), 0
         if rollout_addresses:
             self.engines.append(list(rollout_addresses))
@@ -156,6 +161,55 @@ def test_flips_move_a_worker_both_ways_without_losing_samples(pool_job):
     again = {p for p in sent if sent.count(p) > 1}
     assert len(sent) - len(set(sent)) == len(again) == flip["returned_groups"]
     assert again <= set(clients["w2"].prompts) & set(clients["w1"].prompts)
+
+
+def test_scripted_flips_are_reported_to_the_leader_in_order_refused_ones_too():
+    """The leader holds a sync boundary until every scripted flip due is reported
+    (trainer/membership.py await_scripted_flips): a flip carried out reports its
+    count with its membership; one refused (here: its worker was lost) reports its
+    count alone, after the flips queued before it."""
+    spec = _spec(workers=4, trainer_workers=1,
+                 flips=[{"at_step": 2, "worker": 2, "role": "trainer"},
+                        {"at_step": 3, "worker": 3, "role": "trainer"}])
+
+    class Roles:
+        def set_role(self, job_id, role, drain_timeout_s=60.0, hand_back=False):
+            return None
+
+        def set_sync_place(self, job_id, first_rank, world_size):
+            return None
+
+    class Routes:
+        returned_groups = 0
+        role_flips = __import__("collections").Counter()
+        clients = {f"w{i}": Roles() for i in range(4)}
+
+        def set_standby(self, address, standby):
+            return None
+
+        def inflight(self, address):
+            return 0
+
+        def routable(self, address):
+            return True
+
+        def worker_retired(self, address):
+            return 0
+
+    leader, events = Leader(), []
+    pool = ElasticPool("j", spec, ["w0", "w1", "w2", "w3"], leader, Routes(),
+                       worker_client_factory=lambda a: Roles(), record=events.append)
+    pool.start_roles()
+    try:
+        pool.schedule(step=2)
+        pool.worker_lost("worker-3", "killed")
+        pool.schedule(step=3)
+        _wait(lambda: len(leader.scripted) == 2)
+    finally:
+        pool.stop()
+    assert leader.scripted == [(1, ["w2"]), (2, None)]
+    assert [e["event"] for e in events if e["event"].startswith("role_flip")] == [
+        "role_flip_refused", "role_flip"]
 
 
 def test_requests_that_would_break_the_pool_are_refused(pool_job):
@@ -323,19 +377,20 @@ def test_response_lengths_that_grow_move_workers_to_rollout_and_back(pool_job):
     the cooldown; when they shorten again it moves back. Each decision lands on
     the step's record and as an event with carried_out."""
     from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
-    from reflow.scheduler.service import Scheduler
+    from reflow.scheduler.placement_feed import PlacementFeed
 
     pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
     dispatcher.record = events.append  # the job's scheduling events, in one list here
     planner = PlacementPlanner(PlacementPolicy(replay_cap=0.5, cooldown_steps=3, min_gain=0.1),
                                total_workers=3)
+    feed = PlacementFeed(planner, dispatcher, pool)
     records, flips = [], 0
     # (steps, samples/s per rollout worker, mean response length): short, long, short.
     phases = [(range(1, 6), 32.0, 12.0), (range(6, 12), 8.0, 48.0), (range(12, 18), 32.0, 12.0)]
     for steps, rate, length in phases:
         for step in steps:
             record = _window(step, pool, rate, length)
-            Scheduler._observe_placement(planner, dispatcher, [record], pool)
+            feed.observe([record])
             records.append(record)
             if record["placement_carried_out"]:
                 flips += 1
@@ -357,19 +412,20 @@ def test_response_lengths_that_grow_move_workers_to_rollout_and_back(pool_job):
 
 def test_a_shift_inside_the_cooldown_waits_for_it(pool_job):
     from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
-    from reflow.scheduler.service import Scheduler
+    from reflow.scheduler.placement_feed import PlacementFeed
 
     pool, dispatcher, *_ = pool_job
     planner = PlacementPlanner(PlacementPolicy(replay_cap=0.5, cooldown_steps=5, min_gain=0.1),
                                total_workers=3)
+    feed = PlacementFeed(planner, dispatcher, pool)
     first = _window(1, pool, 32.0, 12.0)
-    Scheduler._observe_placement(planner, dispatcher, [first], pool)
+    feed.observe([first])
     assert first["placement_carried_out"]
     _wait(lambda: pool.flips_done == 1)
     reasons = []
     for step in range(2, 8):  # responses grow at once, at step 2
         record = _window(step, pool, 8.0, 48.0)
-        Scheduler._observe_placement(planner, dispatcher, [record], pool)
+        feed.observe([record])
         reasons.append((record["placement_reason"], record["placement_carried_out"]))
         if record["placement_carried_out"]:
             break

@@ -307,3 +307,29 @@ def test_a_replica_left_out_is_abandoned_only_when_it_is_gone(tiny_model):
         group.send_command("train", 1)
     leader._regroup_after(GroupBroken("test"))  # the rebuild: the leader alone
     assert leader.group is None and leader.peers == []
+
+
+def test_a_boundary_waits_for_the_scripted_flips_due_and_no_longer(tiny_model):
+    """cluster.flips at step 2: the leader's boundary after step 2 waits until the
+    scheduler reports the flip (its membership, or a refusal), so it lands at that
+    boundary however fast the steps run; before step 2 nothing is waited for."""
+    spec = parse_job_spec({"model": {"path": tiny_model}, "trainer": {"num_steps": 5},
+                           "scheduler": {"placement": False},
+                           "cluster": {"workers": 3, "trainer_workers": 1, "flips": [
+                               {"at_step": 2, "worker": 1, "role": "trainer"}]}})
+    leader = _leader(spec)
+    leader.step = 1
+    assert leader.await_scripted_flips() < 0.05  # none due yet
+    leader.step = 2
+    waited: list[float] = []
+    boundary = threading.Thread(target=lambda: waited.append(leader.await_scripted_flips()))
+    boundary.start()
+    boundary.join(0.5)
+    assert boundary.is_alive()  # held: the flip due is not reported
+    assert leader.reconfigure(["replica-d:1"], scripted_flips=1) == 1
+    boundary.join(10)
+    assert not boundary.is_alive() and waited[0] >= 0.5
+    assert leader._pending_peers == ["replica-d:1"]  # applied by apply_membership next
+    # A report alone (a refused flip) leaves the pending membership as it is.
+    assert leader.reconfigure(None, scripted_flips=1) == 1
+    assert leader._pending_peers == ["replica-d:1"]

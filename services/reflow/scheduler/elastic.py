@@ -62,12 +62,20 @@ def shard_moves(handoff: str) -> dict[str, int]:
             "state_bytes": full}
 
 
-@dataclass
+class JobEnded(FailedPrecondition):
+    """The trainer finished (or stopped) before the flip's sync boundary: the flip
+    is dropped, the job is not failed for it."""
 
+
+@dataclass
 class FlipRequest:
     worker: int
     role: str
     reason: str
+    scripted: int = 0
+    """The flip's place (1-based) in the spec's cluster.flips; 0: not scripted."""
+    refused: bool = False
+    """A scripted flip refused when it was due: only reported to the leader."""
 
 
 class ElasticPool:
@@ -127,7 +135,7 @@ class ElasticPool:
 
     # --- requests -----------------------------------------------------------------------
 
-    def request(self, worker: int, role: str, reason: str = "requested") -> int:
+    def request(self, worker: int, role: str, reason: str = "requested", scripted: int = 0) -> int:
         """Queue a flip of `worker` to `role`; returns the flips queued before it.
         Refused (ValueError naming the field) if it names no flippable worker, or
         would leave the job without a rollout worker."""
@@ -148,7 +156,7 @@ class ElasticPool:
                 raise FailedPrecondition("the flip would leave the job without a rollout worker")
             self._planned = planned
             queued = self._queue.qsize()
-            self._queue.put(FlipRequest(worker, role, reason))
+            self._queue.put(FlipRequest(worker, role, reason, scripted))
         return queued
 
     @property
@@ -175,16 +183,22 @@ class ElasticPool:
         return requested
 
     def schedule(self, step: int) -> None:
-        """Queue the spec's flips (cluster.flips) whose step the trainer has reached."""
+        """Queue the spec's flips (cluster.flips) whose step the trainer has reached.
+        The leader holds that step's sync boundary until each is reported to it, in
+        order: carried out (its membership pending) or refused."""
         flips = self.spec.cluster.flips
         while self._scheduled < len(flips) and flips[self._scheduled].at_step <= step:
             flip = flips[self._scheduled]
             self._scheduled += 1
+            reason = f"cluster.flips at step {flip.at_step}"
             try:
-                self.request(flip.worker, flip.role, reason=f"cluster.flips at step {flip.at_step}")
+                self.request(flip.worker, flip.role, reason, scripted=self._scheduled)
             except (ValueError, FailedPrecondition) as err:
                 self.record({"event": "role_flip_refused", "worker": flip.worker,
                              "to": flip.role, "error": str(err)})
+                # After the flips queued before it, so the leader learns of them first.
+                self._queue.put(FlipRequest(flip.worker, flip.role, reason, self._scheduled,
+                                            refused=True))
 
     def stop(self) -> None:
         self._stop.set()
@@ -243,13 +257,23 @@ class ElasticPool:
             flip = self._queue.get()
             if flip is None:
                 return
+            if flip.refused:
+                self._report_scripted(flip.scripted)
+                continue
             if self.roles[flip.worker] == "lost":
                 self.record({"event": "role_flip_dropped", "worker": flip.worker,
                              "to": flip.role, "reason": "the worker was lost"})
+                self._report_scripted(flip.scripted)
                 continue
             try:
                 self._flip(flip)
+            except JobEnded as err:
+                self._report_scripted(flip.scripted)
+                self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                             "to": flip.role, "reason": str(err)[:500]})
+                continue
             except Exception as err:  # noqa: BLE001 - the job watcher fails the job
+                self._report_scripted(flip.scripted)
                 if self.roles[flip.worker] == "lost":  # it died during its flip
                     self.record({"event": "role_flip_dropped", "worker": flip.worker,
                                  "to": flip.role, "reason": f"the worker was lost: {err}"[:500]})
@@ -259,6 +283,17 @@ class ElasticPool:
                 self.record({"event": "role_flip_failed", "worker": flip.worker,
                              "to": flip.role, "error": str(err)[:500]})
                 return
+
+    def _report_scripted(self, scripted: int) -> None:
+        """Tell the leader a scripted flip was dealt with without a membership of
+        its own (refused, dropped or failed), so its boundary does not wait on."""
+        if not scripted:
+            return
+        try:
+            self.leader.reconfigure(self.job_id, None, scripted_flips=scripted)
+        except Exception as err:  # noqa: BLE001 - the leader goes on after its wait bound
+            logger.warning("job %s: scripted flip %d not reported to the leader: %s",
+                           self.job_id, scripted, err)
 
     def _flip(self, flip: FlipRequest) -> None:
         address, client = self.addresses[flip.worker], self._workers[flip.worker]
@@ -277,10 +312,10 @@ class ElasticPool:
             # ended each in the buffer, so this is 0 unless something was lost.
             in_flight = self._await_events(address)
             self._set_role(flip.worker, "trainer")
-            status = self._regroup(phases)
+            status = self._regroup(phases, flip.scripted)
         else:
             self._set_role(flip.worker, "rollout")
-            status = self._regroup(phases)
+            status = self._regroup(phases, flip.scripted)
             t = time.monotonic()
             client.set_role(self.job_id, "rollout", 0.0)
             self.dispatcher.set_standby(address, False)
@@ -328,11 +363,12 @@ class ElasticPool:
         with self._lock:
             self.roles[worker] = role
 
-    def _regroup(self, phases: dict[str, float]) -> dict:
+    def _regroup(self, phases: dict[str, float], scripted: int = 0) -> dict:
         """Hand the leader the new membership and wait until its group applied it at
-        a sync boundary; adds the wait for the boundary and the rebuild to `phases`."""
+        a sync boundary; adds the wait for the boundary and the rebuild to `phases`.
+        `scripted`: the flip's place in cluster.flips (0: not scripted)."""
         started = time.monotonic()
-        epoch = self.leader.reconfigure(self.job_id, self.trainer_peers)
+        epoch = self.leader.reconfigure(self.job_id, self.trainer_peers, scripted_flips=scripted)
         deadline = started + BOUNDARY_TIMEOUT_S
         while not self._stop.is_set():
             status = self.leader.status(self.job_id)
@@ -342,8 +378,7 @@ class ElasticPool:
                 return {"group_size": status.group_size, "epoch": status.membership_epoch,
                         "state_handoff": status.last_state_handoff}
             if status.state in ("succeeded", "failed", "stopped"):
-                raise FailedPrecondition(f"the trainer {status.state} before the flip's sync "
-                                         "boundary")
+                raise JobEnded(f"the trainer {status.state} before the flip's sync boundary")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no sync boundary within {BOUNDARY_TIMEOUT_S:.0f}s")
             self._stop.wait(POLL_S)

@@ -71,14 +71,19 @@ class GrpcTrainerClient:
                              m.group_size, m.membership_epoch, m.last_regroup_s,
                              m.last_state_handoff)
 
-    def reconfigure(self, job_id: str, trainer_peers: list[str],
-                    rollout_addresses: list[str] | None = None) -> int:
-        """Leader: the group's next replicas (and, given, the engines it publishes to
-        from now on); returns the epoch the replicas take effect as."""
+    def reconfigure(self, job_id: str, trainer_peers: list[str] | None,
+                    rollout_addresses: list[str] | None = None,
+                    scripted_flips: int = 0) -> int:
+        """Leader: the group's next replicas (None: unchanged; and, given, the
+        engines it publishes to from now on); `scripted_flips`: how many of the
+        spec's cluster.flips are carried out or refused by now. Returns the epoch
+        the replicas take effect as."""
         from reflow.v1 import trainer_pb2
 
-        req = trainer_pb2.ReconfigureRequest(job_id=job_id, trainer_peers=trainer_peers,
-                                             rollout_addresses=rollout_addresses or [])
+        req = trainer_pb2.ReconfigureRequest(job_id=job_id, trainer_peers=trainer_peers or [],
+                                             keep_peers=trainer_peers is None,
+                                             rollout_addresses=rollout_addresses or [],
+                                             scripted_flips=scripted_flips)
         return self._stub.Reconfigure(req, timeout=self.deadline_s).membership_epoch
 
     def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,

@@ -107,6 +107,9 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.last_regroup_s = 0.0
         self._pending_peers: list[str] | None = None
         self._membership_lock = threading.Lock()
+        # Wakes a boundary waiting for a scripted flip (membership.py).
+        self._membership_changed = threading.Condition(self._membership_lock)
+        self.scripted_flips_seen = 0
         # Times the group broke by a member's loss (trainer/membership.py).
         self.group_failures = 0
         # Engines of lost workers that left the job (trainer/membership.py).
@@ -296,7 +299,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
             if self.step % self.spec.trainer.sync_interval == 0:
                 sync_s, sync_wait_s = self._publish_or_rebuild()
                 self.evals.maybe_start(self.policy_version)
-                # Roles move at sync boundaries only (paper §5).
+                # Roles move at sync boundaries only (paper §5); a flip the spec
+                # scripts for this step is waited for, so it lands here.
+                if self.step < self.spec.trainer.num_steps:
+                    sync_wait_s += self.await_scripted_flips()
                 self.apply_membership()
             step_end = time.monotonic()
             step_s, previous_end = step_end - previous_end, step_end

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 # (each does once its collective fails, which the leader's abort makes at once).
 PEER_STANDBY_WAIT_S = 60.0
 _PEER_POLL_S = 0.2
+# How long a sync boundary waits for the scheduler to deal with a scripted flip
+# due (a drain of the joining worker's engine included).
+SCRIPTED_FLIP_WAIT_S = 300.0
 
 
 class GroupMembership:
@@ -49,17 +52,47 @@ class GroupMembership:
     def group_size(self) -> int:
         return 1 + len(self.peers) if self.group is not None else 1
 
-    def reconfigure(self, peers: list[str]) -> int:
-        """The group's next replicas besides this leader; applied at the next step
-        boundary after a publish (`apply_membership`). Returns the epoch it takes.
-        A replica of the current group left out is asked whether it is still there
-        (`_abandon_if_gone`): one that left by a role flip is, and stays in the
-        group to that boundary; one whose worker died ends the step it holds up."""
-        with self._membership_lock:
-            self._pending_peers = list(peers)
-            epoch = self.membership_epoch + 1
-        self._check_dropped()
+    def reconfigure(self, peers: list[str] | None, scripted_flips: int = 0) -> int:
+        """The group's next replicas besides this leader (None: as they are);
+        applied at the next step boundary after a publish (`apply_membership`).
+        Returns the epoch it takes. A replica of the current group left out is
+        asked whether it is still there (`_abandon_if_gone`): one that left by a
+        role flip is, and stays in the group to that boundary; one whose worker
+        died ends the step it holds up. `scripted_flips`: how many of the spec's
+        cluster.flips the scheduler has dealt with (`await_scripted_flips`)."""
+        with self._membership_changed:
+            if peers is not None:
+                self._pending_peers = list(peers)
+            epoch = self.membership_epoch + (1 if self._pending_peers is not None else 0)
+            self.scripted_flips_seen = max(self.scripted_flips_seen, scripted_flips)
+            self._membership_changed.notify_all()
+        if peers is not None:
+            self._check_dropped()
         return epoch
+
+    def await_scripted_flips(self) -> float:
+        """Hold this sync boundary until the scheduler has dealt with every flip of
+        the spec's cluster.flips at or before this step (carried it out, so its
+        membership is pending now, or refused it). A scripted flip then takes
+        effect at the first boundary at or after its step, however fast the steps
+        run, and a short job cannot end before its flips. Flips Algorithm 1 asks
+        for are not waited for: they follow the job, not a step. Returns the
+        seconds waited; past SCRIPTED_FLIP_WAIT_S it warns and goes on."""
+        due = sum(1 for flip in self.spec.cluster.flips if flip.at_step <= self.step)
+        started = time.monotonic()
+        deadline = started + SCRIPTED_FLIP_WAIT_S
+        with self._membership_changed:
+            while self.scripted_flips_seen < due and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("job %s: step %d: %d of the %d scripted flips due were not "
+                                   "reported in %.0fs; training goes on", self.job_id,
+                                   self.step, self.scripted_flips_seen, due,
+                                   SCRIPTED_FLIP_WAIT_S)
+                    self.scripted_flips_seen = due
+                    break
+                self._membership_changed.wait(min(left, _PEER_POLL_S))
+        return time.monotonic() - started
 
     def _check_dropped(self) -> None:
         """Ask the current group's replicas that a pending membership leaves out

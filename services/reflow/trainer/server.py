@@ -50,8 +50,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def Reconfigure(self, request, context):
         try:
-            epoch = self.service.reconfigure(request.job_id, list(request.trainer_peers),
-                                             list(request.rollout_addresses))
+            peers = None if request.keep_peers else list(request.trainer_peers)
+            epoch = self.service.reconfigure(request.job_id, peers,
+                                             list(request.rollout_addresses),
+                                             scripted_flips=request.scripted_flips)
         except Exception as err:  # noqa: BLE001
             rpc.abort_on(context, err)
         return trainer_pb2.ReconfigureReply(membership_epoch=epoch)

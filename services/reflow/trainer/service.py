@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # Rollout workers one trainer broadcasts weights to (its weight-sync group less itself).
 MAX_ROLLOUT_WORKERS = 4095
+# cluster.flips holds at most this many (core/pool_config.py).
+MAX_SCRIPTED_FLIPS = 10_000
 
 
 class TrainerService:
@@ -134,20 +136,25 @@ class TrainerService:
         """Replica: join the leader's group (on the leader host fixed at start)."""
         self._replica_for(job_id).join(master_port, rank, world_size, epoch)
 
-    def reconfigure(self, job_id: str, peers: list[str],
-                    rollout_addresses: list[str] | None = None) -> int:
-        """Leader: the group's next replicas, applied at the next sync boundary;
-        `rollout_addresses` (non-empty): the engines still in the job."""
-        peers = [check_address(a, "trainer_peers") for a in peers]
+    def reconfigure(self, job_id: str, peers: list[str] | None,
+                    rollout_addresses: list[str] | None = None, scripted_flips: int = 0) -> int:
+        """Leader: the group's next replicas (None: unchanged), applied at the next
+        sync boundary; `rollout_addresses` (non-empty): the engines still in the
+        job; `scripted_flips`: the spec's flips the scheduler has dealt with."""
+        if peers is not None:
+            peers = [check_address(a, "trainer_peers") for a in peers]
+        if not 0 <= scripted_flips <= MAX_SCRIPTED_FLIPS:
+            raise ValueError(f"scripted_flips: {scripted_flips} is not in "
+                             f"[0, {MAX_SCRIPTED_FLIPS}] (the spec's cluster.flips at most)")
         engines = [check_address(a, "rollout_addresses") for a in rollout_addresses or []]
-        if len(peers) >= MAX_ROLLOUT_WORKERS:
+        if peers is not None and len(peers) >= MAX_ROLLOUT_WORKERS:
             raise ValueError(f"trainer_peers: at most {MAX_ROLLOUT_WORKERS - 1}")
         if job_id != self.job_id or self.loop is None or self.state not in ("starting",
                                                                             "running"):
             raise FailedPrecondition(f"job {job_id[:80]!r} is not training on this trainer")
         if engines:
             self.loop.retire_engines(engines)
-        return self.loop.reconfigure(peers)
+        return self.loop.reconfigure(peers, scripted_flips)
 
     def _replica_for(self, job_id: str):
         if self.replica is None or self.replica.job_id != job_id:

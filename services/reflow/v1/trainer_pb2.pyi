@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReconfigureRequest(_message.Message):
-    __slots__ = ("job_id", "trainer_peers", "rollout_addresses")
+    __slots__ = ("job_id", "trainer_peers", "rollout_addresses", "keep_peers", "scripted_flips")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TRAINER_PEERS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PEERS_FIELD_NUMBER: _ClassVar[int]
+    SCRIPTED_FLIPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     trainer_peers: _containers.RepeatedScalarFieldContainer[str]
     rollout_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ..., rollout_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_peers: bool
+    scripted_flips: int
+    def __init__(self, job_id: _Optional[str] = ..., trainer_peers: _Optional[_Iterable[str]] = ..., rollout_addresses: _Optional[_Iterable[str]] = ..., keep_peers: _Optional[bool] = ..., scripted_flips: _Optional[int] = ...) -> None: ...
 
 class ReconfigureReply(_message.Message):
     __slots__ = ("membership_epoch",)

@@ -6,16 +6,22 @@ decision says it was not carried out."""
 from collections import Counter
 
 from reflow.core.config import parse_job_spec
-from reflow.scheduler.service import Scheduler
+from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 
 
 class Recorder:
+    """The dispatcher's side of the feed: its event log, its counters, and no
+    blocked time (the budget never held rollout back here)."""
+
     def __init__(self):
         self.events = []
         self.placement_recommendations = Counter()
 
     def record(self, event):
         self.events.append(event)
+
+    def blocked_worker_seconds(self):
+        return 0.0
 
 
 def step(n, produced, idle_rollout=0.0, idle_trainer=0.0, workers=2):
@@ -27,14 +33,14 @@ def step(n, produced, idle_rollout=0.0, idle_trainer=0.0, workers=2):
 
 def planner(**scheduler):
     spec = parse_job_spec({"model": {"path": "/m"}, "scheduler": scheduler})
-    return Scheduler._planner(spec, total_workers=3)  # two rollout workers, one trainer
+    return planner_for(spec, total_workers=3)  # two rollout workers, one trainer
 
 
 def test_each_step_gets_a_recorded_decision():
     recorder = Recorder()
     # Target coverage 1 - σ = 0.5 of 64 samples/s consumed: 32 produced is on target.
     records = [step(1, 32), step(2, 8)]
-    Scheduler._observe_placement(planner(placement_cooldown_steps=0), recorder, records)
+    PlacementFeed(planner(placement_cooldown_steps=0), recorder).observe(records)
     first, second = recorder.events
     assert (first["action"], first["reason"], first["carried_out"]) == ("hold", "already_best",
                                                                         False)
@@ -50,7 +56,7 @@ def test_over_supply_recommends_more_trainers():
     recorder = Recorder()
     # 2 rollout workers make 256 samples/s for a trainer eating 64: coverage 4 vs 0.5.
     records = [step(1, 256)]
-    Scheduler._observe_placement(planner(), recorder, records)
+    PlacementFeed(planner(), recorder).observe(records)
     (event,) = recorder.events
     assert (event["action"], event["reason"]) == ("rebalance", "more_trainer")
     assert (event["chosen_rollout_workers"], event["chosen_trainer_workers"]) == (1, 2)
@@ -62,4 +68,4 @@ def test_placement_off_means_no_planner():
     assert planner(placement=False) is None
     assert planner(adaptive=False) is None
     spec = parse_job_spec({"model": {"path": "/m"}})
-    assert Scheduler._planner(spec, total_workers=1) is None
+    assert planner_for(spec, total_workers=1) is None

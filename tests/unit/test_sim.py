@@ -16,6 +16,8 @@ from reflow.replay.embedded import EmbeddedRedis
 from reflow.replay.store import ReplayStore
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.generation import ConcurrencyController
+from reflow.scheduler.placement import PlacementPlanner
+from reflow.scheduler.placement_feed import PlacementFeed
 from reflow.sim.command import load_config, main
 from reflow.sim.costs import DecodeCost, SimConfig
 from reflow.sim.run import Simulation
@@ -68,7 +70,8 @@ def test_no_simulator_only_copy_of_the_control_code():
     in reflow.sim: a copy there would let the simulation drift from the product."""
     control = {"Dispatcher", "ReplayStore", "ConcurrencyController", "LengthEstimator",
                "WorkerLoad", "route", "PlacementPlanner", "PlacementPolicy", "DispatchLedger",
-               "acquire_dispatch", "dispatch_limits", "InprocReplayClient"}
+               "acquire_dispatch", "dispatch_limits", "InprocReplayClient", "PlacementFeed",
+               "planner_for", "WindowMeasurement", "blocked_worker_seconds"}
     package = Path(reflow.sim.__file__).parent
     for path in package.glob("*.py"):
         tree = ast.parse(path.read_text())
@@ -78,6 +81,7 @@ def test_no_simulator_only_copy_of_the_control_code():
     import reflow.sim.run as run
 
     assert run.Dispatcher is Dispatcher and run.ReplayStore is ReplayStore
+    assert run.PlacementFeed is PlacementFeed
 
 
 def test_each_mode_keeps_its_staleness_and_replay_bounds(redis_client, tmp_path):
@@ -149,3 +153,36 @@ def test_a_bad_config_names_its_field(tmp_path):
         load_config(bad)
     with pytest.raises(SystemExit, match="--modes"):
         main(Namespace(config=str(EXAMPLE), gpus="4", modes="async", out=str(tmp_path)))
+
+
+def test_algorithm_1_moves_the_elastic_pool_and_placement_off_keeps_the_split(redis_client,
+                                                                              tmp_path):
+    """Reflow's GPUs are an elastic pool: each step's record goes to the product's
+    PlacementFeed and PlacementPlanner, and its rebalances move units between
+    rollout and the trainer at sync boundaries, never losing or doubling a GPU.
+    With scheduler.placement off (the ablation) the split stays as it started."""
+    config = _small(24)
+    config = config.model_copy(update={"job": {**config.job, "scheduler": {
+        **config.job.get("scheduler", {}), "placement_cooldown_steps": 2,
+        "placement_min_gain": 0.0}}})
+    sim, summary = _run("reflow", redis_client, tmp_path, gpus=8, config=config)
+    assert type(sim.feed.planner) is PlacementPlanner
+    records = [json.loads(x) for x in (tmp_path / "reflow" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["rollout_blocked_ratio"] <= 1.0 for r in records)
+    assert all(r["rollout_workers"] + r["trainer_workers"] == 8 for r in records)
+    assert all(r["trainer_gpus"] == r["trainer_workers"] for r in records)  # 1 GPU a unit
+    events = [json.loads(x) for x in
+              (tmp_path / "reflow" / "scheduler_events.jsonl").read_text().splitlines()]
+    moved = [e for e in events if e["event"] == "placement" and e["carried_out"]]
+    assert moved and summary["role_flips"] == len(sim.pool.flips) >= len(moved)
+    assert {f["reason"] for f in sim.pool.flips} <= {"placement: more_rollout",
+                                                      "placement: more_trainer"}
+    assert len({r["rollout_workers"] for r in records}) > 1
+
+    off = config.model_copy(update={"job": {**config.job, "scheduler": {
+        **config.job["scheduler"], "placement": False}}})
+    sim, summary = _run("reflow", redis_client, tmp_path / "off", gpus=8, config=off)
+    assert sim.pool is None and summary["role_flips"] == 0
+    records = [json.loads(x) for x in
+               (tmp_path / "off" / "reflow" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["rollout_workers"] for r in records} == {6}

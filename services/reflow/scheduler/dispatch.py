@@ -119,6 +119,13 @@ class Dispatcher:
         # Whether the last round ended with no group in hand because the buffer
         # refused budget (its bounds, not the workers' caps, held dispatch back).
         self.budget_refused = False
+        # Algorithm 1's blocked time (paper §6.2): worker-seconds that routable
+        # workers stood empty because the buffer's budget (B_max, δ, a sync under
+        # way) granted nothing more, integrated over the rounds
+        # (`blocked_worker_seconds`).
+        self._blocked_worker_s = 0.0
+        self._blocked_rate = 0.0
+        self._blocked_since = clock.monotonic()
         # Per worker: the time, KV usage and preemption totals of its last stats.
         self._control_last: dict[str, tuple[float, float, int]] = {}
         self._prompts = task.prompts()
@@ -343,13 +350,13 @@ class Dispatcher:
                 # moment a sample ends, and a cap that turns it away is the
                 # controller's evidence that the cap, not the budget, binds.
                 want = max(want, self.group_size)
-        refused = False
+        refused = short = False
         if want >= self.group_size:
             version = self.replay.stats(self.job_id).policy_version
             self.policy_version = version
             got = self.replay.acquire_dispatch(self.job_id, want, self.group_size,
                                                *self.spec.dispatch_limits(version))
-            refused = got == 0
+            refused, short = got == 0, got < want
             with self._cond:
                 self._granted += got
         unrouted = False
@@ -360,7 +367,30 @@ class Dispatcher:
         self._poll_s = min(2 * self._poll_s, BUDGET_POLL_MAX_S) if refused else BUDGET_POLL_S
         with self._cond:
             self.budget_refused = refused and self._granted < self.group_size
+            self._mark_blocked(short and self._granted < self.group_size)
         return ROUTE_RETRY_S if unrouted else self._poll_s
+
+    def _mark_blocked(self, blocked: bool) -> None:
+        """Close the blocked-time segment since the last round and open the next:
+        while the buffer grants less than the room asks, each routable worker with
+        nothing in flight counts as blocked. One below its cap but generating is
+        not: an engine's decode throughput saturates well below a full batch (a
+        step's cost is mostly the weights' read), so its free slots are not lost
+        capacity. Called under the lock."""
+        now = self.clock.monotonic()
+        self._blocked_worker_s += self._blocked_rate * max(0.0, now - self._blocked_since)
+        self._blocked_since = now
+        self._blocked_rate = float(sum(1 for w in self.loads.values()
+                                       if w.routable and w.inflight == 0)) if blocked else 0.0
+
+    def blocked_worker_seconds(self) -> float:
+        """Worker-seconds so far that rollout had room the buffer's budget held back
+        (B_max, δ or a weight sync): Algorithm 1's blocked time (paper §6.2), which
+        is not lost capacity. A worker still starting, or out of routing, counts
+        for nothing."""
+        with self._cond:
+            open_s = max(0.0, self.clock.monotonic() - self._blocked_since)
+            return self._blocked_worker_s + self._blocked_rate * open_s
 
     def _route_one(self) -> bool:
         prompt = self._peek_prompt()

@@ -34,7 +34,7 @@ from reflow.scheduler.controller import JobController
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.inflight import DispatchLedger
 from reflow.scheduler.elastic import ElasticPool
-from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
+from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.local import Placement, ServiceLog
 from reflow.scheduler.queue import PlacementQueue
@@ -251,16 +251,6 @@ class Scheduler(JobRecovery):
         dispatcher.start()
         return dispatcher
 
-    @staticmethod
-    def _planner(spec: JobSpec, total_workers: int) -> PlacementPlanner | None:
-        """Algorithm 1's planner for the job (paper §6.2), when placement is on."""
-        if not spec.scheduler.enabled("placement") or total_workers < 2:
-            return None
-        policy = PlacementPolicy(replay_cap=spec.replay.replay_cap,
-                                 cooldown_steps=spec.scheduler.placement_cooldown_steps,
-                                 min_gain=spec.scheduler.placement_min_gain)
-        return PlacementPlanner(policy, total_workers)
-
     def _run_job(self, record: JobRecord, stop: threading.Event, resume: bool = False,
                  adopted: Placement | None = None) -> None:
         """One job's life: placed (or, `adopted`, found running by recover()),
@@ -311,10 +301,10 @@ class Scheduler(JobRecovery):
             if adopted is not None:
                 dispatcher.record({"event": "job_adopted", "step": record.step,
                                    "workers": placement.workers})
-            planner = self._planner(spec, len(placement.worker_addresses)
-                                    or len(rollouts) + 1)
+            planner = planner_for(spec, len(placement.worker_addresses) or len(rollouts) + 1)
+            feed = PlacementFeed(planner, dispatcher, pool) if planner is not None else None
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
-                                                      dispatcher, stop, planner, pool,
+                                                      dispatcher, stop, feed, pool,
                                                       start_rollout)
             # A handover leaves the job running only where its services outlive us.
             keep_running = record.phase == "RUNNING" and self._adoptable(pool)
@@ -432,7 +422,7 @@ class Scheduler(JobRecovery):
 
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
-               stop: threading.Event, planner: PlacementPlanner | None = None,
+               stop: threading.Event, feed: PlacementFeed | None = None,
                pool: ElasticPool | None = None, start_rollout=None) -> tuple[str, str]:
         spec = JobSpec.model_validate_json(record.spec_json)
         controller = JobController(record, spec, self.store, self.backend, placement,
@@ -471,12 +461,8 @@ class Scheduler(JobRecovery):
             status = trainer_polls.call(trainer.status, record.job_id, record.step)
             if status is None:
                 continue
-            if planner is not None:
-                try:
-                    self._observe_placement(planner, dispatcher, status.metrics, pool)
-                except ValueError as err:
-                    # A step record Algorithm 1 cannot use is skipped, never fatal.
-                    logger.warning("job %s: placement skipped a step: %s", record.job_id, err)
+            if feed is not None:
+                feed.observe(status.metrics)
             if pool is not None:
                 pool.schedule(status.step)
                 record.workers = pool.by_role()
@@ -488,42 +474,6 @@ class Scheduler(JobRecovery):
             if pool is not None and pool.error:
                 trainer.stop_job(record.job_id)
                 return "FAILED", f"elastic pool: {pool.error}"
-
-    @staticmethod
-    def _observe_placement(planner: PlacementPlanner, dispatcher: Dispatcher,
-                           records: list[dict], pool: ElasticPool | None = None) -> None:
-        """Feed each new training step to Algorithm 1 (paper §6.2) and record its
-        decision: in the job's scheduling events and on the step's metrics record.
-        An elastic job carries a rebalance out with role flips (at the next sync
-        boundaries); a job with fixed roles records it (`carried_out: false`)."""
-        for m in records:
-            if "generated_samples" not in m or m.get("step_time_s", 0) <= 0:
-                continue
-            window = WindowMeasurement(
-                step=int(m["step"]), window_s=float(m["step_time_s"]),
-                rollout_workers=int(m.get("rollout_workers", 1)),
-                trainer_workers=int(m.get("trainer_workers", 1)),
-                produced_samples=float(m["generated_samples"]),
-                consumed_samples=float(m["fresh_samples"] + m["stale_samples"]
-                                       + m["replay_samples"]),
-                rollout_blocked_ratio=min(1.0, float(m["rollout_idle_ratio"])),
-                trainer_idle_ratio=min(1.0, float(m["trainer_idle_ratio"])))
-            decision = planner.observe(window)
-            carried_out = False
-            if decision.action == "rebalance":
-                dispatcher.placement_recommendations[decision.reason] += 1
-                if pool is not None and decision.chosen is not None and pool.rebalance(
-                        decision.chosen.rollout_workers, decision.reason):
-                    carried_out = True
-                    dispatcher.rebalances[decision.reason] += 1
-                    planner.applied(window.step, decision.chosen.rollout_workers,
-                                    decision.chosen.trainer_workers)
-            event = {"event": "placement", **decision.as_event(), "carried_out": carried_out}
-            dispatcher.record(event)
-            m["placement_action"], m["placement_reason"] = decision.action, decision.reason
-            m["placement_carried_out"] = carried_out
-            if decision.current is not None:
-                m["placement_predicted_coverage"] = decision.current.predicted_coverage
 
     def _update_progress(self, record: JobRecord, status) -> None:
         m = status.last_metrics

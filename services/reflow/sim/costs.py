@@ -121,11 +121,23 @@ class SyncCost(_Section):
         return self.overhead_s + self.weight_bytes / self.bandwidth_bytes_per_s
 
 
+class FlipCost(_Section):
+    """One AsyncHybrid worker's role flip, as the trainer's pause at the sync
+    boundary it lands at (paper §5)."""
+
+    # Paper Table 2 (32 GPUs): 24:8 -> 16:16, rollout to train, 9.20 s (the joiners
+    # receive parameter and optimizer shards).
+    to_trainer_s: float = Field(9.2, ge=0)
+    # Paper Table 2 (32 GPUs): 16:16 -> 24:8, train to rollout, 5.72 s.
+    to_rollout_s: float = Field(5.72, ge=0)
+
+
 class CostModel(_Section):
     decode: DecodeCost = DecodeCost()
     lengths: LengthModel = LengthModel()
     train: TrainCost = TrainCost()
     sync: SyncCost = SyncCost()
+    flip: FlipCost = FlipCost()
     # GPUs per rollout engine (tensor parallel): 1 for an 8B model.
     gpus_per_engine: int = Field(1, gt=0)
 

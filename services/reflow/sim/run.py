@@ -9,6 +9,11 @@ verl's one_step_off), then every engine pauses for SyncCost.sync_s and the
 buffer learns the version. In sync mode rollout and trainer share every GPU
 (JobSpec.colocated) and each role switch costs SyncCost.colocate_switch_s.
 
+In reflow mode with scheduler.placement on, the GPUs are an elastic pool
+(sim/pool.py): each step's record goes to the product's PlacementFeed and
+Algorithm 1, and a rebalance moves units between rollout and the trainer at
+the sync boundaries.
+
 Writes OUT/metrics.jsonl (one record a step, under the field names of a real
 run's, trainer/records.py) and OUT/summary.json.
 """
@@ -26,8 +31,10 @@ from reflow.core.config import MODE_PRESETS, JobSpec, parse_job_spec
 from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
 from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
+from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
+from reflow.sim.pool import SimPool
 from reflow.tasks import Prompt
 
 JOB_ID = "sim"
@@ -81,6 +88,15 @@ class Simulation:
         self.replay = InprocReplayClient(ReplayStore(redis_client, seed=config.seed))
         self.replay.configure(JOB_ID, spec.replay)
         engines, self.trainer_gpus = split(config, spec, gpus)
+        per_engine = self.costs.gpus_per_engine
+        # Reflow's elastic pool: every unit of per_engine GPUs holds an engine, the
+        # trainer's out of routing; Algorithm 1 moves them (paper §5-6.2).
+        units = gpus // per_engine
+        planner = (planner_for(spec, units)
+                   if spec.mode == "reflow" and not spec.colocated else None)
+        rollout_units = engines
+        if planner is not None:
+            engines = units
         # The simulation's draws (lengths, rewards), seeded: one seed, one result.
         rng = random.Random(config.seed)  # nosec B311 # a simulation's draws, not security
         self.sample_tokens: dict[str, tuple[int, int]] = {}
@@ -90,8 +106,18 @@ class Simulation:
                                                   spec.rollout.group_size, lambda: self.step,
                                                   self.sample_tokens, self.clock)
                         for i in range(engines)}
+        names = list(self.engines)
+        out.mkdir(parents=True, exist_ok=True)
+        events = out / "scheduler_events.jsonl"
+        events.unlink(missing_ok=True)
         self.dispatcher = Dispatcher(JOB_ID, spec, self.replay, self.engines, SimTask(),
-                                     clock=self.clock)
+                                     clock=self.clock, standby=names[rollout_units:],
+                                     events_path=events if planner is not None else None)
+        self.initial_rollout_engines = rollout_units
+        self.pool = self.feed = None
+        if planner is not None:
+            self.pool = SimPool(self.engines, rollout_units, self.dispatcher, self.costs.flip)
+            self.feed = PlacementFeed(planner, self.dispatcher, self.pool)
         self.version = 0
         self.records: list[dict] = []
 
@@ -100,6 +126,7 @@ class Simulation:
     def run(self) -> dict:
         started = time.monotonic()
         spec, clock = self.spec, self.clock
+        per_engine = self.costs.gpus_per_engine
         interval = spec.scheduler.control_interval_s
         next_control = interval
         next_dispatch = 0.0
@@ -172,17 +199,29 @@ class Simulation:
                 sync_s = now - sync_started
                 state, dirty = "step_end", True
                 fresh_data = fresh_budget = True
+                # Roles move at sync boundaries (paper §5): the trainer pauses for a flip.
+                pause = self.pool.at_boundary(now) if self.pool is not None else 0.0
+                if pause > 0:
+                    state, state_until = "regrouping", now + pause
+                continue
+            elif state == "regrouping" and now >= state_until:
+                self.trainer_gpus = self.gpus - len(self.pool.rollout_units) * per_engine
+                self.pool.admit()
+                state, dirty = "step_end", True
                 continue
             elif state == "step_end":
                 after = self._rollout_totals()
                 self._record(lease, now - previous_end, wait_s, train_s, sync_s, sync_wait_s,
                              before, after)
+                if self.feed is not None:
+                    self.feed.observe(self.records[-1:])
                 before, previous_end = after, now
                 step_start, state = now, "idle"
                 continue
             # Nothing to do now: on to the next event.
             nxt = min([next_control, *(e.next_time() for e in self.engines.values()),
-                       state_until if state in ("training", "syncing") else math.inf,
+                       state_until if state in ("training", "syncing", "regrouping")
+                       else math.inf,
                        next_dispatch if dirty else math.inf])
             if nxt == math.inf:
                 raise RuntimeError(f"{self.mode} at {self.gpus} GPUs stalled at step {self.step}: "
@@ -203,13 +242,15 @@ class Simulation:
 
     # --- records ----------------------------------------------------------------------
 
-    def _rollout_totals(self) -> tuple[float, float, int]:
+    def _rollout_totals(self) -> dict[str, tuple[float, float, int, int]]:
         now = self.clock.now
         for e in self.engines.values():
             e.advance_to(now)
-        return (sum(e.idle_s for e in self.engines.values()),
-                sum(e.occupancy_s for e in self.engines.values()),
-                sum(e.generated_tokens for e in self.engines.values()))
+        return {n: (e.idle_s, e.occupancy_s, e.generated_tokens, e.finished_samples)
+                for n, e in self.engines.items()}
+
+    def _rollout_names(self) -> list[str]:
+        return self.pool.rollout_units if self.pool is not None else list(self.engines)
 
     def _record(self, batch, step_s, wait_s, train_s, sync_s, sync_wait_s, before, after) -> None:
         trajs = batch.trajectories
@@ -217,7 +258,11 @@ class Simulation:
         replayed = sum(1 for t in trajs if t.uses > 0)
         fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
         trained = sum(self.sample_tokens[t.sample_id][1] for t in trajs)
-        n = len(self.engines)
+        # Over the engines on rollout at the step's end (a unit that flipped during
+        # the step counts on the side it ended on).
+        names = self._rollout_names()
+        n = len(names)
+        delta = [sum(after[k][i] - before[k][i] for k in names) for i in range(4)]
         histogram: dict[str, int] = {}
         for s in staleness:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
@@ -226,18 +271,20 @@ class Simulation:
             "trained_tokens": trained, "step_time_s": step_s,
             "trainer_tokens_per_s": trained / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s else 0.0,
-            "rollout_idle_ratio": min(1.0, (after[0] - before[0]) / (step_s * n)) if step_s else 0.0,
-            "rollout_utilisation": min(1.0, (after[1] - before[1]) / (step_s * n)) if step_s else 0.0,
-            "generated_tokens": after[2] - before[2],
+            "rollout_idle_ratio": min(1.0, delta[0] / (step_s * n)) if step_s else 0.0,
+            "rollout_utilisation": min(1.0, delta[1] / (step_s * n)) if step_s else 0.0,
+            "generated_tokens": delta[2], "generated_samples": delta[3],
             "fresh_samples": fresh, "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed, "staleness_histogram": histogram,
             "wait_s": wait_s, "train_s": train_s, "sync_s": sync_s, "sync_wait_s": sync_wait_s,
+            "weight_sync_s": self.costs.sync.sync_s if sync_s else 0.0,
             "rollout_workers": n, "trainer_gpus": self.trainer_gpus,
+            "trainer_workers": (self.pool.trainer_units if self.pool is not None
+                                else self.trainer_gpus // self.costs.gpus_per_engine),
         }
         self.records.append(record)
 
     def _summary(self, wall_s: float) -> dict:
-        self.out.mkdir(parents=True, exist_ok=True)
         with (self.out / "metrics.jsonl").open("w") as f:
             for r in self.records:
                 f.write(json.dumps(r) + "\n")
@@ -250,7 +297,8 @@ class Simulation:
 
         snapshot = self.dispatcher.snapshot()
         summary = {
-            "mode": self.mode, "gpus": self.gpus, "rollout_engines": len(self.engines),
+            "mode": self.mode, "gpus": self.gpus,
+            "rollout_engines": self.initial_rollout_engines,
             "trainer_gpus": self.trainer_gpus, "steps": self.step, "phase": "SUCCEEDED",
             "simulated_s": round(self.clock.now, 3), "wall_s": round(wall_s, 3),
             "throughput_tokens_per_s": trained / span if span else 0.0,
@@ -264,6 +312,9 @@ class Simulation:
             / max(1, sum(v for r in measured for v in r["staleness_histogram"].values())),
             "preempted_requests": sum(e.preemptions for e in self.engines.values()),
             "cap_changes": snapshot["cap_changes"],
+            "role_flips": len(self.pool.flips) if self.pool is not None else 0,
+            "rollout_engines_final": len(self._rollout_names()),
+            "rollout_engines_mean": mean("rollout_workers"),
             "admission_rejections": snapshot["admission_rejections"],
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

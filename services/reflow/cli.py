@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(fn=cmd_bench)
 
     sim = sub.add_parser("sim", help="simulate a job at cluster scale: the product's buffer and "
-                         "dispatcher on a virtual clock, engines and trainers as cost models")
+                         "dispatcher on a virtual clock, engines and trainers as cost models "
+                         "(`reflow sim plan --help`: size a cluster on it)")
     sim.add_argument("config", help="a sim config (examples/sim/qwen3_8b.yaml)")
     sim.add_argument("--gpus", default="8,32", help="comma-separated GPU counts (default 8,32)")
     sim.add_argument("--modes", default="sync,one_step_off,fully_async,reflow",
@@ -325,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         # services in order (the trainer checkpoints, the buffer goes last); this
         # one goes on SIGTERM or when its parent dies.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["sim", "plan"]:
+        from reflow.sim.plan import main as plan_main
+
+        return plan_main(argv[2:])
     parser = build_parser()
     # Overrides may come after options (`run cfg --out d a.b=1`), which argparse
     # leaves unparsed; accept exactly those.

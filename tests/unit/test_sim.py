@@ -186,3 +186,43 @@ def test_algorithm_1_moves_the_elastic_pool_and_placement_off_keeps_the_split(re
     records = [json.loads(x) for x in
                (tmp_path / "off" / "reflow" / "metrics.jsonl").read_text().splitlines()]
     assert {r["rollout_workers"] for r in records} == {6}
+
+
+def test_the_planner_scales_the_cost_model_with_the_model_size():
+    from reflow.sim.plan import parse_size, scaled_costs
+
+    assert parse_size("8B") == 8e9 and parse_size("135M") == 1.35e8
+    with pytest.raises(ValueError, match="--model-size"):
+        parse_size("8 bytes")
+    with pytest.raises(ValueError, match="outside"):
+        parse_size("5000B")
+    costs = load_config(EXAMPLE).costs
+    same = scaled_costs(costs, costs.train.parameters)
+    assert same.decode.floor_ms == pytest.approx(costs.decode.floor_ms)
+    assert same.decode.kv_capacity_tokens == pytest.approx(costs.decode.kv_capacity_tokens, rel=1e-6)
+    double = scaled_costs(costs, 2 * costs.train.parameters)
+    assert double.gpus_per_engine == 1  # 33 GB of weights still fit beside a KV cache
+    assert double.decode.floor_ms == pytest.approx(2 * costs.decode.floor_ms)
+    assert double.sync.weight_bytes == pytest.approx(2 * costs.sync.weight_bytes)
+    assert double.decode.kv_capacity_tokens < costs.decode.kv_capacity_tokens / 2
+    big = scaled_costs(costs, 70e9)  # 143 GB of weights: 4 GPUs an engine
+    assert big.gpus_per_engine == 4
+    assert big.decode.floor_ms == pytest.approx(costs.decode.floor_ms * 70e9 / 8.2e9 / 4)
+    assert big.decode.kv_capacity_tokens > 0
+
+
+def test_the_planner_searches_and_writes_every_candidate(tmp_path, capsys):
+    from reflow.sim.plan import main as plan_main
+
+    assert plan_main(["--model-size", "8B", "--gpus", "4", "--workload", str(EXAMPLE),
+                      "--steps", "3", "--top", "2", "--out", str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rows = plan["candidates"]
+    # The coordinate search: the splits 4 GPUs can make (2:2, 3:1; 1/2 and 5/8 round
+    # to one, 7/8 leaves no trainer), then 2 more σ, 1 more δ, sync interval, B_max.
+    assert len(rows) == 7
+    speeds = [r["throughput_tokens_per_s"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and speeds[0] > 0
+    assert {r["split"] for r in rows} >= {"2:2", "3:1"}
+    printed = capsys.readouterr().out
+    assert "best 2" in printed and len(printed.strip().splitlines()) == 4

@@ -141,24 +141,27 @@ def test_roles_flip_both_ways_during_a_run_and_nothing_is_lost(tmp_path, tiny_mo
     assert summary["phase"] == "SUCCEEDED"
 
 
-def test_algorithm_1_moves_the_curriculum_example_s_pool_both_ways(tmp_path):
+def test_algorithm_1_moves_the_curriculum_example_s_pool(tmp_path):
     """examples/elastic_curriculum.yaml as a user runs it (its own tiny model, built
-    under the models root): placement is on (the reflow mode default) and nothing
-    but Algorithm 1 flips roles. Its windows read the rollout blocked ratio the
-    dispatcher measured (the budget's hold on rollout, not its idle time); its
-    rebalances are carried out by role flips, at least the cooldown apart; the
-    trainer group changes with them; the job succeeds."""
+    under the models root), to step 30 (its short phase and the start of its long
+    one; the whole 85 steps take about 100 s): placement is on (the reflow mode
+    default) and nothing but Algorithm 1 flips roles. Its windows read the rollout
+    blocked ratio the dispatcher measured (the budget's hold on rollout, not its
+    idle time); its rebalances are carried out by role flips, at least the cooldown
+    apart; the trainer group changes with them; the job succeeds."""
+    steps = 30
     out = tmp_path / "run"
     env = {**os.environ, "REFLOW_MODELS_DIR": str(tmp_path / "models")}
     proc = subprocess.run([sys.executable, "-m", "reflow.cli", "run",
-                           str(REPO / "examples" / "elastic_curriculum.yaml"), "--out", str(out)],
+                           str(REPO / "examples" / "elastic_curriculum.yaml"), "--out", str(out),
+                           f"trainer.num_steps={steps}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert json.loads((out / "summary.json").read_text())["phase"] == "SUCCEEDED"
     events = [json.loads(line) for line in
               (out / "scheduler_events.jsonl").read_text().splitlines()]
     decisions = [e for e in events if e["event"] == "placement"]
-    assert len(decisions) >= 80  # one a step (85), the first after the engines start
+    assert len(decisions) >= steps - 3  # one a step, from the first after the engines start
     assert all(0.0 <= e["rollout_blocked_ratio"] <= 1.0 for e in decisions)
     # The budget held rollout back in some windows: the ratio is measured, not a constant.
     assert max(e["rollout_blocked_ratio"] for e in decisions) > 0.1
@@ -168,10 +171,13 @@ def test_algorithm_1_moves_the_curriculum_example_s_pool_both_ways(tmp_path):
     # (both runs measured: at step 2 and 3). What follows depends on the windows.
     assert moved and moved[0]["reason"] == "more_trainer", moved
     assert {e["reason"] for e in moved} <= {"more_trainer", "more_rollout"}, moved
-    assert [f["reason"] for f in flips] == [f"placement: {e['reason']}" for e in moved]
-    steps = [e["step"] for e in moved]
-    assert all(b - a >= 5 for a, b in zip(steps, steps[1:])), steps  # the cooldown K
+    # Each rebalance is one flip (a pool of 3 moves one worker at a time); the last
+    # may be overtaken by the job's end (role_flip_dropped).
+    assert [f["reason"] for f in flips] == [f"placement: {e['reason']}" for e in moved][
+        :len(flips)] and len(flips) >= len(moved) - 1
+    moved_at = [e["step"] for e in moved]
+    assert all(b - a >= 5 for a, b in zip(moved_at, moved_at[1:])), moved_at  # the cooldown K
     assert not [e for e in events if e["event"] in ("role_flip_failed", "role_flip_refused")]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 86))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert {r["trainer_workers"] for r in records} == {1, 2}

@@ -14,6 +14,7 @@ import redis
 import reflow.sim
 from reflow.replay.embedded import EmbeddedRedis
 from reflow.replay.store import ReplayStore
+from reflow.report import read_metrics, summarize
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.generation import ConcurrencyController
 from reflow.scheduler.placement import PlacementPlanner
@@ -133,7 +134,13 @@ def test_the_command_writes_each_run_and_the_table(tmp_path, capsys):
                           out=str(tmp_path / "out"))) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(results["4"]) == {"sync", "reflow"}
-    assert (tmp_path / "out" / "4gpus" / "reflow" / "metrics.jsonl").exists()
+    run = tmp_path / "out" / "4gpus" / "reflow"
+    # A real run's artefacts, read by a real run's summariser.
+    assert (run / "report.png").stat().st_size > 10_000
+    headline = summarize(read_metrics(run / "metrics.jsonl"))
+    assert headline["steps"] == 6 and headline["trained_tokens"] > 0
+    assert headline["wall_time_s"] == pytest.approx(results["4"]["reflow"]["simulated_s"], abs=1e-3)
+    assert 0 <= headline["reward_last_mean"] <= 1 and headline["max_staleness"] >= 0
     table = capsys.readouterr().out
     assert "vs sync" in table and "reflow" in table
     # An ablation is an override of the job: replay off.

@@ -95,7 +95,7 @@ def evaluate(config: SimConfig, gpus: int, knobs: dict, client, out: Path) -> di
 
     name = "-".join(f"{k}={v}" for k, v in knobs.items())
     summary = Simulation(_candidate(config, gpus, knobs), "reflow", gpus, client,
-                         out / name).run()
+                         out / name, report=False).run()
     rollout_gpus = summary["rollout_engines"] * config.costs.gpus_per_engine
     return {**knobs, "split": f"{rollout_gpus}:{gpus - rollout_gpus}",
             **{k: summary[k] for k in (

@@ -15,7 +15,8 @@ Algorithm 1, and a rebalance moves units between rollout and the trainer at
 the sync boundaries.
 
 Writes OUT/metrics.jsonl (one record a step, under the field names of a real
-run's, trainer/records.py) and OUT/summary.json.
+run's, trainer/records.py, so reflow.report summarises both), OUT/summary.json
+and OUT/report.png.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from reflow.core.clock import VirtualClock
 from reflow.core.config import MODE_PRESETS, JobSpec, parse_job_spec
 from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
+from reflow.report import plot
 from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
 from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
@@ -79,8 +81,11 @@ def split(config: SimConfig, spec: JobSpec, gpus: int) -> tuple[int, int]:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, mode: str, gpus: int, redis_client, out: Path) -> None:
+    def __init__(self, config: SimConfig, mode: str, gpus: int, redis_client, out: Path,
+                 report: bool = True) -> None:
+        """`report`: also draw OUT/report.png (reflow.report.plot, a real run's)."""
         self.config, self.mode, self.gpus, self.out = config, mode, gpus, out
+        self.report = report
         self.spec = spec = job_spec(config, mode, gpus)
         self.costs = config.costs
         self.clock = VirtualClock(epoch=0.0)
@@ -268,6 +273,11 @@ class Simulation:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
         record = {
             "step": self.step, "policy_version": self.version, "time_s": round(self.clock.now, 3),
+            # A real run's fields (trainer/records.py), so reflow.report reads both: the
+            # clock here is the simulation's.
+            "wall_time_s": self.clock.now,
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "max_staleness": max(staleness),
             "trained_tokens": trained, "step_time_s": step_s,
             "trainer_tokens_per_s": trained / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s else 0.0,
@@ -318,4 +328,7 @@ class Simulation:
             "admission_rejections": snapshot["admission_rejections"],
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.report:
+            plot(self.records, self.out / "report.png",
+                 title=f"{self.mode}, {self.gpus} simulated GPUs (simulated time)")
         return summary

@@ -233,3 +233,23 @@ def test_the_planner_searches_and_writes_every_candidate(tmp_path, capsys):
     assert {r["split"] for r in rows} >= {"2:2", "3:1"}
     printed = capsys.readouterr().out
     assert "best 2" in printed and len(printed.strip().splitlines()) == 4
+
+
+def test_multi_turn_episodes_wait_out_their_tool_calls(redis_client, tmp_path):
+    """Three turns a response, two tool calls of 20 s between them (no spread): every
+    episode leaves the batch twice, comes back with 64 tokens of tool output in its
+    prompt, and the job's first batch cannot be ready before 40 s of tool time."""
+    from reflow.sim.costs import ToolCost
+
+    base = _small(4)
+    tools = ToolCost(turns=3, latency_median_s=20.0, latency_sigma=0.0, output_tokens=64)
+    multi = base.model_copy(update={"costs": base.costs.model_copy(update={"tools": tools})})
+    _, single_summary = _run("reflow", redis_client, tmp_path / "one", config=base)
+    sim, multi_summary = _run("reflow", redis_client, tmp_path / "three", config=multi)
+    prompts = {p for p, _ in sim.sample_tokens.values()}
+    assert prompts == {base.costs.lengths.prompt_tokens + 2 * 64}
+    records = [json.loads(x) for x in
+               (tmp_path / "three" / "reflow" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["time_s"] >= 40.0
+    assert multi_summary["simulated_s"] > single_summary["simulated_s"] + 40.0
+    assert multi_summary["steps"] == single_summary["steps"] == 4

@@ -132,12 +132,31 @@ class FlipCost(_Section):
     to_rollout_s: float = Field(5.72, ge=0)
 
 
+class ToolCost(_Section):
+    """Multi-turn episodes (an agent calling tools): a response is `turns` model
+    turns of equal length; between two, the sequence leaves the batch for a tool
+    call of lognormal latency and comes back with the tool's output prefilled
+    (its earlier context from the prefix cache). Defaults: single-turn."""
+
+    turns: int = Field(1, ge=1, le=64)
+    # Assumption: a sandboxed code or search call, median 2 s with a long tail
+    # (SkyRL-style environments report 1-10 s a call).
+    latency_median_s: float = Field(2.0, ge=0)
+    latency_sigma: float = Field(0.8, ge=0)
+    # Assumption: a tool's result is a short observation.
+    output_tokens: int = Field(128, ge=0)
+
+    def latency_s(self, rng: random.Random) -> float:
+        return self.latency_median_s * math.exp(rng.gauss(0.0, self.latency_sigma))
+
+
 class CostModel(_Section):
     decode: DecodeCost = DecodeCost()
     lengths: LengthModel = LengthModel()
     train: TrainCost = TrainCost()
     sync: SyncCost = SyncCost()
     flip: FlipCost = FlipCost()
+    tools: ToolCost = ToolCost()
     # GPUs per rollout engine (tensor parallel): 1 for an 8B model.
     gpus_per_engine: int = Field(1, gt=0)
 

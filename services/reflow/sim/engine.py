@@ -9,7 +9,12 @@ advances lazily, in whole steps, when the simulation asks (`advance_to`); a
 sequence submitted between two boundaries joins at the earlier one (less than
 one step early). A finished group goes to the replay buffer through the
 product's ReplayClient, as a worker's put, and its end is reported as the
-worker's events are (SampleEvent)."""
+worker's events are (SampleEvent).
+
+Multi-turn episodes (ToolCost.turns > 1): at the end of each turn but the last a
+sequence leaves the batch, frees its KV, and waits out a tool call; it then
+joins the queue again with the tool's output added to its prompt, prefilling
+only that (the rest from the prefix cache)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,13 @@ class _Seq:
     run_start: int = 0  # the engine's token counter when this run began
     context: int = 0  # KV tokens held at run start (prompt + generated)
     admitted: bool = False
+    turn_ends: list[int] = field(default_factory=list)  # generated counts ending a turn
+    cached: int = 0  # context tokens the prefix cache holds (not prefilled again)
+
+    @property
+    def stop(self) -> int:
+        """Generated tokens at which this run stops: its turn's end, or its end."""
+        return self.turn_ends[0] if self.turn_ends else self.target
 
 
 @dataclass
@@ -65,6 +77,7 @@ class SimEngine:
         self.running: dict[tuple[str, int], _Seq] = {}
         self._ends: list[tuple[int, str, int]] = []  # (counter at its end, group, index)
         self.waiting: list[_Seq] = []
+        self._tools: list[tuple[float, int, _Seq]] = []  # (back at, tie, seq) in a tool call
         self.context = 0  # KV tokens of the running batch
         self.groups: dict[str, _Group] = {}
         self.version = 0
@@ -74,6 +87,7 @@ class SimEngine:
         self._next: float | None = None  # next_time, until the state changes
         self.events: list[SampleEvent] = []
         self._seq = 0
+        self._seq_tool = 0
         # RolloutStats' counters.
         self.generated_tokens = self.finished_samples = self.preemptions = 0
         self.idle_s = self.kv_usage_s = self.occupancy_s = 0.0
@@ -93,6 +107,9 @@ class SimEngine:
         if bounds is not None:
             for m in members:
                 m.target = max(bounds[0], min(bounds[1], m.target))
+        turns = self.costs.tools.turns
+        for m in members:
+            m.turn_ends = sorted({m.target * k // turns for k in range(1, turns)} - {0})
         self.cap = concurrency_cap
         # A harder prompt (longer answers) is solved less often: rewards vary in a group.
         self.groups[group_id] = _Group(prompt, members, min(0.9, 500.0 / median), len(members))
@@ -119,7 +136,7 @@ class SimEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._tools)
 
     def next_time(self) -> float:
         """When the next sequence ends (inf: nothing runs)."""
@@ -130,10 +147,18 @@ class SimEngine:
     def _next_time(self) -> float:
         self._admit()
         start = max(self.t, self.paused_until)
+        tool = self._tools[0][0] if self._tools else math.inf
         if not self.running:
-            return math.inf
+            return max(tool, start) if self._tools else math.inf
         steps = self._steps_to_next_change()
-        return start + self.decode.steps_time_s(len(self.running), self.context, steps)
+        return min(tool, start + self.decode.steps_time_s(len(self.running), self.context, steps))
+
+    def _tools_back(self) -> None:
+        """Sequences whose tool call has returned by now join the queue again."""
+        while self._tools and self._tools[0][0] <= self.t:
+            _, _, seq = heapq.heappop(self._tools)
+            self.waiting.append(seq)
+            self._next = None  # its admission (and prefill) changes the next end
 
     def advance_to(self, now: float) -> None:
         """Take every whole step that ends by `now`."""
@@ -142,18 +167,28 @@ class SimEngine:
                 if self.paused_until > now:
                     break
                 self.t, self._next = self.paused_until, None
+            self._tools_back()
             self._admit()
+            # A tool call that returns before `now` is a change: step up to it first.
+            until = min(now, self._tools[0][0]) if self._tools else now
             if not self.running:
-                if now > self.t:
-                    self.idle_s += now - self.t
-                    self.t, self._next = now, None
+                if until > self.t:
+                    self.idle_s += until - self.t
+                    self.t, self._next = until, None
+                if until < now:
+                    continue
                 return
             b = len(self.running)
             steps = min(self._steps_to_next_change(),
                         # A nanosecond's slack: `now` may be this engine's own
                         # next_time, computed the other way round in floats.
-                        self.decode.steps_within(b, self.context, now - self.t + 1e-9))
+                        self.decode.steps_within(b, self.context, until - self.t + 1e-9))
             if steps == 0:
+                if self._tools and self._tools[0][0] <= now:
+                    # Less than a step to the tool's return: it joins at this boundary.
+                    self._next = None
+                    heapq.heapreplace(self._tools, (self.t, *self._tools[0][1:]))
+                    continue
                 return
             self._next = None
             dt = self.decode.steps_time_s(b, self.context, steps)
@@ -205,10 +240,12 @@ class SimEngine:
             seq.run_start, seq.context, seq.admitted = self.counter, need, True
             self.running[(seq.group_id, seq.index)] = seq
             self.context += need
-            heapq.heappush(self._ends, (self.counter + seq.target - seq.generated,
+            heapq.heappush(self._ends, (self.counter + seq.stop - seq.generated,
                                         seq.group_id, seq.index))
-            # Prefill (a preempted sequence recomputes its tokens too).
-            self.t += need * self.decode.prefill_per_token_us / 1e6
+            # Prefill (a preempted sequence recomputes its tokens too; one back from
+            # a tool call only the tool's output).
+            self.t += (need - seq.cached) * self.decode.prefill_per_token_us / 1e6
+            seq.cached = 0
 
     def _run_segments(self, seq: _Seq) -> list[list[int]]:
         """The versions of the tokens of `seq`'s current run."""
@@ -228,6 +265,17 @@ class SimEngine:
             if seq is None:
                 continue
             seq.done_segments += self._run_segments(seq)
+            if seq.turn_ends:
+                # A turn ends in a tool call: out of the batch until it returns.
+                self.context -= seq.context + (self.counter - seq.run_start)
+                seq.generated = seq.turn_ends.pop(0)
+                seq.cached = seq.prompt_tokens + seq.generated
+                seq.prompt_tokens += self.costs.tools.output_tokens
+                seq.admitted = False
+                self._seq_tool += 1
+                heapq.heappush(self._tools, (self.t + self.costs.tools.latency_s(self.rng),
+                                             self._seq_tool, seq))
+                continue
             seq.generated = seq.target
             self.sample_tokens[f"{gid}-{index}"] = (seq.prompt_tokens, seq.target)
             self.context -= seq.context + (self.counter - seq.run_start)

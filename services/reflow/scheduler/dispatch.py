@@ -35,7 +35,7 @@ import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from reflow.core.clock import WALL_CLOCK, Clock
 from reflow.core.config import JobSpec
@@ -85,18 +85,22 @@ class Dispatcher:
     def __init__(self, job_id: str, spec: JobSpec, replay: ReplayClient,
                  workers: dict[str, WorkerClient], task: Task,
                  events_path: Path | None = None, standby: set[str] | None = None,
-                 ledger: DispatchLedger | None = None, clock: Clock = WALL_CLOCK) -> None:
+                 ledger: DispatchLedger | None = None, clock: Clock = WALL_CLOCK,
+                 new_group_id: Callable[[], str] | None = None) -> None:
         """`workers`: name -> client of each rollout worker of the job; `task` the
         job's prompt stream (seeded once for the job); `events_path` a JSONL file
         that receives every scheduling decision (None: the log only); `standby`:
         workers of an elastic job that start in the trainer role (never routed to
         until `set_standby(name, False)`); `ledger`: the job's durable stream
         position and groups in flight (scheduler/inflight.py), from which a
-        resumed job continues; `clock` what its rounds read time from."""
+        resumed job continues; `clock` what its rounds read time from;
+        `new_group_id` names each new group (random by default; a simulation
+        numbers them, so that one seed gives one result)."""
         if not workers:
             raise ValueError("workers: a job needs at least one rollout worker")
         self.job_id, self.spec, self.replay, self.task = job_id, spec, replay, task
         self.clock = clock
+        self._new_group_id = new_group_id or (lambda: uuid.uuid4().hex[:16])
         self.clients = dict(workers)
         self.events_path = events_path
         self.group_size = spec.rollout.group_size
@@ -403,7 +407,7 @@ class Dispatcher:
                 self.rejections[result.refused_by] += 1
                 return False
             worker = result.worker
-            group_id = self._next_group or uuid.uuid4().hex[:16]
+            group_id = self._next_group or self._new_group_id()
             from_stream = self._next_from_stream
             self._groups[group_id] = _Group(worker, prompt, per_sample, self.group_size)
             worker.inflight += self.group_size

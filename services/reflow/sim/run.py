@@ -21,6 +21,7 @@ and OUT/report.png.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -112,12 +113,14 @@ class Simulation:
                                                   self.sample_tokens, self.clock)
                         for i in range(engines)}
         names = list(self.engines)
+        group_ids = itertools.count(1)
         out.mkdir(parents=True, exist_ok=True)
         events = out / "scheduler_events.jsonl"
         events.unlink(missing_ok=True)
         self.dispatcher = Dispatcher(JOB_ID, spec, self.replay, self.engines, SimTask(),
                                      clock=self.clock, standby=names[rollout_units:],
-                                     events_path=events if planner is not None else None)
+                                     events_path=events if planner is not None else None,
+                                     new_group_id=lambda: f"g{next(group_ids):08d}")
         self.initial_rollout_engines = rollout_units
         self.pool = self.feed = None
         if planner is not None:

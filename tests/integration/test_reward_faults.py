@@ -84,7 +84,10 @@ task:
   args: {{raise_every: 7, nan_every: 5, sleep_every: 11, sleep_s: 60}}
   reward_timeout_s: 2
   reward_workers: 2
-  max_reward_error_rate: 0.6
+  # The worst 16 samples in a row hold 4 NaNs (every 5th), 3 raises (every 7th), 2
+  # sleepers (every 11th) and a call timed out behind a sleeper: 10 (seen once, which
+  # failed the job at 0.6). The breaker must not trip on the plug-in's own rate.
+  max_reward_error_rate: 0.8
   reward_error_window: 16
 rollout: {{group_size: 4, max_tokens: 16, max_inflight_samples: 16, kv_cache_gb: 0.25}}
 trainer: {{num_steps: 6, batch_size: 16}}

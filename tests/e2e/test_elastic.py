@@ -141,6 +141,7 @@ def test_roles_flip_both_ways_during_a_run_and_nothing_is_lost(tmp_path, tiny_mo
     assert summary["phase"] == "SUCCEEDED"
 
 
+@pytest.mark.slow
 def test_algorithm_1_moves_the_curriculum_example_s_pool(tmp_path):
     """examples/elastic_curriculum.yaml as a user runs it (its own tiny model, built
     under the models root), to step 30 (its short phase and the start of its long

@@ -212,6 +212,44 @@ def test_scripted_flips_are_reported_to_the_leader_in_order_refused_ones_too():
         "role_flip_refused", "role_flip"]
 
 
+def test_a_flip_the_job_s_end_overtakes_is_dropped_not_failed():
+    """The leader finished before the flip reached it and refuses the change: the
+    flip is dropped (role_flip_dropped), and the pool reports no error."""
+    spec = _spec(workers=3, trainer_workers=1)
+
+    class Finished(Leader):
+        def reconfigure(self, job_id, peers, rollout_addresses=None, scripted_flips=0):
+            raise FailedPrecondition(f"job {job_id!r} is not training on this trainer")
+
+        def status(self, job_id, since_step=-1):
+            return TrainerStatus(job_id, "succeeded", 7, 7)
+
+    class Roles:
+        def set_role(self, job_id, role, drain_timeout_s=60.0, hand_back=False):
+            return None
+
+    class Routes:
+        returned_groups = 0
+        role_flips = __import__("collections").Counter()
+
+        def set_standby(self, address, standby):
+            return None
+
+        def inflight(self, address):
+            return 0
+
+    events = []
+    pool = ElasticPool("j", spec, ["w0", "w1", "w2"], Finished(), Routes(),
+                       worker_client_factory=lambda a: Roles(), record=events.append)
+    pool.start_roles()
+    try:
+        pool.request(2, "trainer")
+        _wait(lambda: any(e["event"] == "role_flip_dropped" for e in events))
+    finally:
+        pool.stop()
+    assert pool.error == "" and not [e for e in events if e["event"] == "role_flip_failed"]
+
+
 def test_requests_that_would_break_the_pool_are_refused(pool_job):
     pool = pool_job[0]
     with pytest.raises(ValueError, match="worker: 0"):

@@ -368,7 +368,15 @@ class ElasticPool:
         a sync boundary; adds the wait for the boundary and the rebuild to `phases`.
         `scripted`: the flip's place in cluster.flips (0: not scripted)."""
         started = time.monotonic()
-        epoch = self.leader.reconfigure(self.job_id, self.trainer_peers, scripted_flips=scripted)
+        try:
+            epoch = self.leader.reconfigure(self.job_id, self.trainer_peers,
+                                            scripted_flips=scripted)
+        except Exception:
+            # A leader that has finished refuses the change: the job ended first.
+            state = self.leader.status(self.job_id).state
+            if state in ("succeeded", "failed", "stopped"):
+                raise JobEnded(f"the trainer {state} before the flip's sync boundary") from None
+            raise
         deadline = started + BOUNDARY_TIMEOUT_S
         while not self._stop.is_set():
             status = self.leader.status(self.job_id)

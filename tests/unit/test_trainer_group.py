@@ -214,6 +214,20 @@ def test_a_replica_on_the_leaders_host_copies_the_state_from_shared_memory(tiny_
         assert torch.equal(p, before[name])
 
 
+def test_an_fsdp_leader_keeps_its_shards_private_and_says_why(tiny_model, caplog):
+    """FSDP shards move point to point at a flip: the same-host hand-off is for
+    replicated groups, and the leader's log says so instead of skipping it silently."""
+    spec = parse_job_spec({"model": {"path": tiny_model},
+                           "trainer": {"max_grad_norm": 1e6, "parallelism": "fsdp"},
+                           "cluster": {"workers": 2}})
+    leader = _leader(spec)
+    assert leader.sharded
+    with caplog.at_level("INFO", logger="reflow.trainer.loop"):
+        leader.share_state()
+    assert leader.shared_state is None
+    assert "same-host shared-memory hand-off is for replicated groups" in caplog.text
+
+
 @pytest.mark.parametrize("tamper", ["token", "pid", "layout", "off"])
 def test_a_hand_off_that_does_not_check_out_falls_back_to_the_broadcast(tiny_model, monkeypatch,
                                                                          tamper):

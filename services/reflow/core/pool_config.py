@@ -53,7 +53,9 @@ class ClusterConfig(_Section):
         description="How a replica joining the trainer group receives the leader's "
         "parameters and optimizer state. `auto`: on CPU, replicas on the leader's host copy "
         "them from the leader's shared memory, the others (and every GPU replica) receive a "
-        "broadcast over the group; `broadcast`: always the broadcast.")
+        "broadcast over the group; `broadcast`: always the broadcast. With "
+        "trainer.parallelism fsdp, shards move point to point over the group either way "
+        "(a same-host copy of FSDP's own shard storage measured slower than loopback gloo).")
     min_workers: int = Field(
         default=2, ge=2, le=4096,
         description="An elastic job goes on without a lost worker (other than worker 0, "

@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--gpus", default="8,32", help="comma-separated GPU counts (default 8,32)")
     sim.add_argument("--modes", default="sync,one_step_off,fully_async,reflow",
                      help="comma-separated modes (default all four)")
+    sim.add_argument("--seeds", default="",
+                     help="comma-separated seeds (default: the config's seed); with several, "
+                     "every seed's runs and the spread over them")
     sim.add_argument("--out", required=True, help="the directory to write")
     sim.add_argument("overrides", nargs="*", metavar="section.field=value",
                      help="overrides of the config's job (an ablation: replay.replay_cap=0)")

@@ -150,6 +150,32 @@ def test_the_command_writes_each_run_and_the_table(tmp_path, capsys):
     assert ablated["replay_fraction"] == 0.0 < results["4"]["reflow"]["replay_fraction"]
 
 
+def test_several_seeds_give_each_seed_s_runs_and_their_spread(tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "sim.yaml"
+    config.write_text(yaml.safe_dump(_small(6).model_dump(mode="json")))
+    assert main(Namespace(config=str(config), gpus="4", modes="sync,reflow", seeds="0,1",
+                          out=str(tmp_path / "out"))) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(results["seeds"]) == {"0", "1"}
+    runs = [results["seeds"][k]["4"]["reflow"]["throughput_tokens_per_s"] for k in ("0", "1")]
+    assert runs[0] != runs[1]  # two draws of the lengths, not one run twice
+    tokens = results["spread"]["4"]["reflow"]["throughput_tokens_per_s"]
+    assert (tokens["min"], tokens["max"], tokens["n"]) == (min(runs), max(runs), 2)
+    ratios = [results["seeds"][k]["4"]["reflow"]["throughput_tokens_per_s"]
+              / results["seeds"][k]["4"]["sync"]["throughput_tokens_per_s"] for k in ("0", "1")]
+    assert results["spread"]["4"]["reflow"]["vs_sync"]["max"] == pytest.approx(max(ratios))
+    assert (tmp_path / "out" / "seed1" / "4gpus" / "reflow" / "metrics.jsonl").exists()
+    assert "over seeds 0,1" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--seeds"):
+        main(Namespace(config=str(config), gpus="4", modes="sync", seeds="0,x",
+                       out=str(tmp_path / "bad")))
+    with pytest.raises(SystemExit, match="repeats"):
+        main(Namespace(config=str(config), gpus="4", modes="sync", seeds="1,1",
+                       out=str(tmp_path / "bad")))
+
+
 def test_a_bad_config_names_its_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("job: {}\ncosts: {decode: {floor_ms: -1}}\n")

@@ -1,11 +1,17 @@
-"""`reflow sim CONFIG [--gpus 8,32,128] [--modes ...] --out DIR [job overrides]`:
+"""`reflow sim CONFIG [--gpus 8,32,128] [--modes ...] [--seeds 0,1,2] --out DIR [job overrides]`:
 each mode at each GPU count, one embedded Redis for all of them (flushed between runs).
 Writes DIR/<gpus>gpus/<mode>/{metrics.jsonl,summary.json} and DIR/results.json,
-and prints the modes table (throughput against sync, idle ratios)."""
+and prints the modes table (throughput against sync, idle ratios).
+
+With several seeds (each a draw of response lengths and rewards) every seed's
+runs go under DIR/seed<k>/ and its results into results.json's `seeds`; the
+table and results.json's `spread` give median [min-max] over the seeds, each
+ratio taken within a seed."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -46,6 +52,69 @@ def simulate(config: SimConfig, gpus: list[int], modes: list[str], out: Path) ->
     return results
 
 
+# What the spread over seeds is given for, per mode (`vs_sync` is taken within a seed).
+SPREAD_FIELDS = ("throughput_tokens_per_s", "vs_sync", "trainer_idle_ratio",
+                 "rollout_idle_ratio", "mean_staleness", "replay_fraction")
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def spread(by_seed: dict[str, dict]) -> dict:
+    """Median, min and max over seeds of each mode's SPREAD_FIELDS."""
+    out: dict[str, dict[str, dict]] = {}
+    first = next(iter(by_seed.values()))
+    for n, by_mode in first.items():
+        for mode in by_mode:
+            fields = {}
+            for field in SPREAD_FIELDS:
+                values = []
+                for results in by_seed.values():
+                    summary = results[n][mode]
+                    if field == "vs_sync":
+                        base = results[n].get("sync", {}).get("throughput_tokens_per_s")
+                        if not base:
+                            continue
+                        values.append(summary["throughput_tokens_per_s"] / base)
+                    else:
+                        values.append(summary[field])
+                if values:
+                    fields[field] = _spread(values)
+            out.setdefault(n, {})[mode] = fields
+    return out
+
+
+def spread_table(spreads: dict) -> str:
+    def cell(s: dict | None, fmt: str) -> str:
+        if s is None:
+            return "-"
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+
+    lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>22} {'vs sync':>17} {'trainer idle':>20} "
+             f"{'rollout idle':>20}"]
+    for n, by_mode in spreads.items():
+        for mode, f in by_mode.items():
+            lines.append(f"{n:>5} {mode:<13} {cell(f.get('throughput_tokens_per_s'), '.0f'):>22} "
+                         f"{cell(f.get('vs_sync'), '.2f'):>17} "
+                         f"{cell(f.get('trainer_idle_ratio'), '.3f'):>20} "
+                         f"{cell(f.get('rollout_idle_ratio'), '.3f'):>20}")
+    return "\n".join(lines)
+
+
+def simulate_seeds(config: SimConfig, gpus: list[int], modes: list[str], seeds: list[int],
+                   out: Path) -> dict:
+    """`simulate` once per seed, under out/seed<k>; writes out/results.json with every
+    seed's results and their spread."""
+    by_seed = {str(seed): simulate(config.model_copy(update={"seed": seed}), gpus, modes,
+                                   out / f"seed{seed}")
+               for seed in seeds}
+    results = {"seeds": by_seed, "spread": spread(by_seed)}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 def table(results: dict) -> str:
     lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>10} {'vs sync':>8} {'trainer idle':>13} "
              f"{'rollout idle':>13} {'staleness':>10} {'replay':>7} {'wall s':>7}"]
@@ -74,7 +143,22 @@ def main(args) -> int:
                          f"{', '.join(MODES)}")
     if not gpus or min(gpus) < 2:
         raise SystemExit("--gpus: a comma-separated list of GPU counts, each at least 2")
+    try:
+        seeds = [int(s) for s in (getattr(args, "seeds", None) or "").split(",") if s]
+    except ValueError:
+        raise SystemExit(f"--seeds: a comma-separated list of integers, not {args.seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: {args.seeds!r} repeats a seed")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if len(seeds) > 1:
+        results = simulate_seeds(config, gpus, modes, seeds, out)
+        for seed, by_gpus in results["seeds"].items():
+            print(f"seed {seed}\n{table(by_gpus)}")
+        print(f"over seeds {','.join(map(str, seeds))}: median [min-max]\n"
+              f"{spread_table(results['spread'])}")
+        return 0
+    if seeds:
+        config = config.model_copy(update={"seed": seeds[0]})
     print(table(simulate(config, gpus, modes, out)))
     return 0

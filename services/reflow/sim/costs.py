@@ -76,14 +76,43 @@ class LengthModel(_Section):
     sample_sigma: float = Field(0.5, ge=0)
     max_tokens: int = Field(8192, gt=0)
     growth_per_step: float = Field(0.0, ge=0)
+    # Instead of the lognormal: the length's quantile function through these
+    # (probability, tokens) points, linear in log tokens between them and flat
+    # beyond the first and the last, every sample drawn alone (a measured
+    # distribution: sim/calibrate.py fits it to a real run's batch quantiles).
+    quantiles: list[tuple[float, float]] | None = Field(None, min_length=2, max_length=64)
+
+    @model_validator(mode="after")
+    def _check_quantiles(self) -> LengthModel:
+        q = self.quantiles
+        if q is not None and not (
+                all(0 < p <= 1 and t >= 1 for p, t in q)
+                and all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(q, q[1:]))):
+            raise ValueError("lengths.quantiles: (probability, tokens) points with probabilities "
+                             "rising in (0, 1] and tokens (at least 1) not falling")
+        return self
 
     def group_median(self, rng: random.Random) -> float:
+        if self.quantiles is not None:
+            return self.median_tokens
         return self.median_tokens * math.exp(rng.gauss(0.0, self.group_sigma))
 
     def sample(self, rng: random.Random, group_median: float, step: int) -> int:
-        n = group_median * math.exp(rng.gauss(0.0, self.sample_sigma))
+        if self.quantiles is not None:
+            n = self._quantile(rng.random())
+        else:
+            n = group_median * math.exp(rng.gauss(0.0, self.sample_sigma))
         n *= (1.0 + self.growth_per_step) ** step
         return max(1, min(self.max_tokens, int(n)))
+
+    def _quantile(self, u: float) -> float:
+        q = self.quantiles
+        if u <= q[0][0]:
+            return q[0][1]
+        for (p0, t0), (p1, t1) in zip(q, q[1:]):
+            if u <= p1:
+                return math.exp(math.log(t0) + (u - p0) / (p1 - p0) * (math.log(t1) - math.log(t0)))
+        return q[-1][1]
 
 
 class TrainCost(_Section):

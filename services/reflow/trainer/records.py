@@ -105,4 +105,16 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "reference_model_bytes": loop.reference_bytes,
         "grad_norm": grad_norm,
         "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        # The batch's length distribution: the long tail a synchronous step waits
+        # on, and what a simulation's length model (sim/costs.py) is fitted to.
+        **_length_quantiles(sorted(len(t.response_ids) for t in trajs)),
     }
+
+
+def _length_quantiles(lengths: list[int]) -> dict[str, int]:
+    """p10, p50, p90 and the longest of sorted response lengths (nearest rank)."""
+    def at(q: float) -> int:
+        return lengths[min(len(lengths) - 1, max(0, math.ceil(q * len(lengths)) - 1))]
+
+    return {"response_len_p10": at(0.1), "response_len_p50": at(0.5),
+            "response_len_p90": at(0.9), "response_len_max": lengths[-1]}

@@ -1,0 +1,79 @@
+"""The cost model fitted to measurements (reflow/sim/calibrate.py): each fit gives
+back what it was fitted to, and refuses what it cannot fit."""
+
+import random
+
+import pytest
+
+from reflow.sim import calibrate
+from reflow.trainer.records import _length_quantiles
+
+
+def test_least_squares_recovers_a_line_and_refuses_one_point():
+    assert calibrate.least_squares([(1, 3.0), (2, 5.0), (4, 9.0)]) == pytest.approx((1.0, 2.0))
+    with pytest.raises(ValueError, match="two points"):
+        calibrate.least_squares([(1, 1.0)])
+    with pytest.raises(ValueError, match="more than one x"):
+        calibrate.least_squares([(1, 1.0), (1, 2.0)])
+
+
+def test_decode_cost_goes_through_the_measured_steps():
+    cost = calibrate.decode_cost({1: 5.2, 4: 5.8, 16: 8.2, 64: 17.8}, 100_000, 256)
+    assert cost.floor_ms == pytest.approx(5.0, abs=0.05)
+    assert cost.per_sequence_ms == pytest.approx(0.2, abs=0.005)
+    assert cost.steps_time_s(16, 0, 1) == pytest.approx(8.2e-3, rel=0.02)
+    # A curve that falls with the batch (noise on a flat one) is all floor.
+    flat = calibrate.decode_cost({1: 6.0, 64: 5.0}, 100_000, 256)
+    assert flat.per_sequence_ms == 0 and flat.floor_ms == pytest.approx(5.5)
+
+
+def test_train_cost_predicts_the_measured_step_times():
+    records = [{"trained_tokens": n, "train_s": 0.05 + n * 1e-4} for n in (800, 1200, 2000)]
+    cost = calibrate.train_cost(records, cores=2, parameters=3.2e6)
+    for r in records:
+        assert cost.step_s(r["trained_tokens"], 2) == pytest.approx(r["train_s"])
+    with pytest.raises(ValueError, match="does not grow"):
+        calibrate.train_cost([{"trained_tokens": n, "train_s": 0.3 - n * 1e-5} for n in (1, 2)],
+                             cores=1, parameters=1.0)
+
+
+def test_the_length_model_draws_the_measured_quantiles_and_longest():
+    records = [{"response_len_p10": 10, "response_len_p50": 40, "response_len_p90": 120,
+                "response_len_max": 250}] * 3
+    model = calibrate.length_model(records, max_tokens=256, prompt_tokens=16, batch_size=64)
+    rng = random.Random(0)
+    draws = sorted(model.sample(rng, model.group_median(rng), 0) for _ in range(20_000))
+    for q, tokens in ((0.1, 10), (0.5, 40), (0.9, 120)):
+        assert draws[int(q * len(draws))] == pytest.approx(tokens, rel=0.05)
+    # The longest of a batch of 64 is the measured longest, about.
+    longest = [max(model.sample(rng, 0, 0) for _ in range(64)) for _ in range(400)]
+    assert sorted(longest)[200] == pytest.approx(250, rel=0.1)
+    assert max(draws) <= 256
+    with pytest.raises(ValueError, match="p10"):
+        calibrate.length_model([{**records[0], "response_len_p10": 0}], 64, 16, 64)
+
+
+def test_a_quantile_length_model_is_validated():
+    from reflow.sim.costs import LengthModel
+
+    with pytest.raises(ValueError, match="quantiles"):
+        LengthModel(quantiles=[(0.5, 40), (0.4, 80)])
+    with pytest.raises(ValueError, match="quantiles"):
+        LengthModel(quantiles=[(0.1, 40), (0.9, 20)])
+    with pytest.raises(ValueError, match="quantiles"):
+        LengthModel(quantiles=[(0.1, 0), (0.9, 20)])
+
+
+def test_sync_cost_is_the_measured_sync_less_its_wait_for_the_engines():
+    cost = calibrate.sync_cost([{"weight_sync_s": 0.05, "sync_wait_s": 0.02},
+                                {"weight_sync_s": 0.04}, {"weight_sync_s": 0.09}])
+    assert cost.sync_s == pytest.approx(0.04, abs=1e-6)
+    assert cost.colocate_switch_s == 0
+
+
+def test_step_records_carry_the_batch_s_length_quantiles():
+    assert _length_quantiles(list(range(1, 11))) == {
+        "response_len_p10": 1, "response_len_p50": 5, "response_len_p90": 9,
+        "response_len_max": 10}
+    assert _length_quantiles([7]) == {"response_len_p10": 7, "response_len_p50": 7,
+                                      "response_len_p90": 7, "response_len_max": 7}

@@ -55,6 +55,7 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
         encode=lambda prompt: tokenizer.encode(prompt.text, add_special_tokens=False),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
+    started = time.monotonic()
     worker.start()
     try:
         named = list(model_b.named_parameters())
@@ -86,6 +87,13 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
         worker.stop()
 
     batch = store.lease("partial", store.stats("partial").unused_samples, 60, timeout_s=1)
+    # The engine's own step count and busy time: every token of the longest sample
+    # took a step of its own, and a step decodes at most the 8 samples running.
+    c = worker.counters
+    longest = max(len(t.response_ids) for t in batch.trajectories)
+    assert longest <= c.engine_decode_steps_total <= c.generated_tokens_total
+    assert c.generated_tokens_total <= 8 * c.engine_decode_steps_total
+    assert 0 < c.engine_busy_seconds_total <= time.monotonic() - started
     spanning = [t for t in batch.trajectories if [s.policy_version for s in t.segments] == [0, 1]]
     assert spanning, [t.segments for t in batch.trajectories]
     for traj in batch.trajectories:

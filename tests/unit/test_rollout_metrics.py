@@ -80,3 +80,77 @@ def test_preemptions_of_a_weight_update_are_not_kv_pressure():
             in text)
     assert ('reflow_rollout_preempted_requests_total{cause="weight_sync",job_id="job1"} 7.0'
             in text)
+
+
+def test_a_draining_weight_update_counts_the_engine_s_decoding_as_busy():
+    """one_step_off's update lets the samples in flight finish under the old weights
+    before the engine pauses: the engine decodes meanwhile, and its busy time and
+    occupancy say so (they stop only once it is paused)."""
+    import asyncio
+    import threading
+    import time
+
+    from reflow.rollout.engine import TokenDelta
+    from reflow.tasks import TaskContext
+
+    class Engine:
+        def __init__(self):
+            self.load = EngineLoad(generated_tokens_total=0)
+            self.release = asyncio.Event()
+            self.started = 0
+
+        async def generate(self, request_id, prompt_ids, sampling):
+            self.started += 1
+            self.load.running_requests = self.started
+            await self.release.wait()
+            self.load.running_requests = 0
+            yield TokenDelta(token_ids=[3], logprobs=[-0.1], finished=True, finish_reason="stop")
+
+        async def pause(self):
+            pass
+
+        async def resume(self):
+            pass
+
+        async def receive_weights(self):
+            return 0.0
+
+        def shutdown(self):
+            pass
+
+    class Puts:
+        def put(self, job_id, trajectories):
+            return len(trajectories)
+
+    spec = parse_job_spec({"model": {"path": "/m"}, "mode": "one_step_off",
+                           "rollout": {"group_size": 2}, "trainer": {"batch_size": 4}})
+    assert not spec.rollout.partial_rollout
+    engine = Engine()
+    task = RepeatTask(8, 3, context=TaskContext(seed=0))
+    worker = RolloutWorker("job1", spec, lambda: engine, task, Puts(),
+                           encode=lambda t: [1, 2], decode=lambda ids: "a")
+    worker.start()
+    worker.wait_ready(10)
+    try:
+        assert worker.submit_group("g", next(task.prompts()), 2)
+        deadline = time.monotonic() + 5
+        while engine.started < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        update = threading.Thread(target=lambda: worker.call(worker._update_weights(1), 10))
+        update.start()
+        time.sleep(0.05)
+        busy, occupancy = (worker.counters.engine_busy_seconds_total,
+                           worker.counters.occupancy_seconds_total)
+        time.sleep(0.4)  # the update drains: the samples are still decoding
+        assert update.is_alive()
+        assert worker.counters.engine_busy_seconds_total - busy > 0.3
+        assert worker.counters.occupancy_seconds_total - occupancy > 0.1
+        worker._loop.call_soon_threadsafe(engine.release.set)
+        update.join(5)
+        assert not update.is_alive() and worker.counters.policy_version == 1
+        time.sleep(0.1)
+        busy = worker.counters.engine_busy_seconds_total
+        time.sleep(0.2)  # nothing in flight now
+        assert worker.counters.engine_busy_seconds_total == busy
+    finally:
+        worker.stop()

@@ -124,6 +124,26 @@ def test_decode_steps_and_their_inverse_agree():
     assert cost.steps_time_s(64, 0, 1) == pytest.approx(0.0469, rel=0.05)
 
 
+def test_step_records_give_the_engines_mean_decode_step_as_a_real_run_s_do(redis_client,
+                                                                          tmp_path):
+    """engine_step_ms and engine_step_sequences (trainer/records.py): with no context
+    or prefill term the decode model is linear in the batch, so the mean step is
+    the model's step at the mean batch, exactly."""
+    config = _small()
+    decode = config.costs.decode.model_copy(update={"per_context_token_us": 0.0,
+                                                    "prefill_per_token_us": 0.0})
+    config = config.model_copy(update={"costs": config.costs.model_copy(update={"decode": decode})})
+    _run("fully_async", redis_client, tmp_path, config=config)
+    records = [json.loads(x) for x in
+               (tmp_path / "fully_async" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["engine_step_sequences"] > 1
+        assert r["engine_step_ms"] == pytest.approx(
+            decode.floor_ms + decode.per_sequence_ms * r["engine_step_sequences"], rel=1e-9)
+        assert 0 < r["rollout_busy_ratio"] <= 1
+        assert r["rollout_busy_ratio"] >= r["rollout_utilisation"] - 1e-9
+
+
 def test_the_command_writes_each_run_and_the_table(tmp_path, capsys):
     config = tmp_path / "sim.yaml"
     data = _small(6).model_dump(mode="json")
@@ -279,3 +299,20 @@ def test_multi_turn_episodes_wait_out_their_tool_calls(redis_client, tmp_path):
     assert records[0]["time_s"] >= 40.0
     assert multi_summary["simulated_s"] > single_summary["simulated_s"] + 40.0
     assert multi_summary["steps"] == single_summary["steps"] == 4
+
+
+def test_a_sync_step_s_stragglers_show_in_its_tail_share(redis_client, tmp_path):
+    """Nine in ten samples of 10-20 tokens and one in twenty of 2,000: in sync, the
+    last tenth holds the batch for most of the generation phase; samples all of
+    one length end together. 256 samples a step, so a step's tenth is 25 of them."""
+    config = _small().model_copy(update={"samples_per_gpu": 64})
+    lengths = config.costs.lengths.model_copy(update={
+        "quantiles": [(0.1, 10.0), (0.9, 20.0), (0.95, 2000.0)], "max_tokens": 2000})
+    config = config.model_copy(update={"costs": config.costs.model_copy(update={"lengths": lengths})})
+    _, summary = _run("sync", redis_client, tmp_path, config=config)
+    assert 0.75 < summary["rollout_tail_share"] < 1.0
+    even = config.costs.lengths.model_copy(update={"quantiles": [(0.5, 200.0), (1.0, 200.0)],
+                                                   "max_tokens": 2000})
+    config = config.model_copy(update={"costs": config.costs.model_copy(update={"lengths": even})})
+    _, summary = _run("sync", redis_client, tmp_path / "even", config=config)
+    assert summary["rollout_tail_share"] < 0.05

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from reflow.sim import calibrate
-from reflow.trainer.records import _length_quantiles
+from reflow.trainer.loop import TrainLoop
+from reflow.trainer.records import _length_quantiles, engine_step_fields
 
 
 def test_least_squares_recovers_a_line_and_refuses_one_point():
@@ -25,6 +26,26 @@ def test_decode_cost_goes_through_the_measured_steps():
     # A curve that falls with the batch (noise on a flat one) is all floor.
     flat = calibrate.decode_cost({1: 6.0, 64: 5.0}, 100_000, 256)
     assert flat.per_sequence_ms == 0 and flat.floor_ms == pytest.approx(5.5)
+
+
+def test_the_engine_s_curve_is_scaled_to_the_steps_it_took_in_the_job():
+    alone = calibrate.decode_cost({1: 2.2, 64: 8.5}, 100_000, 256)
+    # Twice as slow in the job at every batch, and one step of noise.
+    records = [{"engine_step_ms": 2 * (alone.floor_ms + alone.per_sequence_ms * b),
+                "engine_step_sequences": b} for b in (9.5, 17.0, 23.3, 40.0)]
+    records.append({"engine_step_ms": 50.0, "engine_step_sequences": 17.0})
+    assert calibrate.in_job_slowdown(alone, records) == pytest.approx(2.0)
+    in_job = calibrate.in_job_decode_cost(alone, records)
+    assert in_job.floor_ms == pytest.approx(2 * alone.floor_ms)
+    assert in_job.per_sequence_ms == pytest.approx(2 * alone.per_sequence_ms)
+    assert in_job.kv_capacity_tokens == alone.kv_capacity_tokens
+    # Steps the engine did not count (or older runs) cannot be calibrated from.
+    with pytest.raises(ValueError, match="engine_step_ms"):
+        calibrate.in_job_slowdown(alone, [{"train_s": 1.0}, {"engine_step_ms": 0.0,
+                                                              "engine_step_sequences": 0}])
+    with pytest.raises(ValueError, match="context term"):
+        calibrate.in_job_slowdown(alone.model_copy(update={"per_context_token_us": 0.1}),
+                                  records)
 
 
 def test_train_cost_predicts_the_measured_step_times():
@@ -77,3 +98,20 @@ def test_step_records_carry_the_batch_s_length_quantiles():
         "response_len_max": 10}
     assert _length_quantiles([7]) == {"response_len_p10": 7, "response_len_p50": 7,
                                       "response_len_p90": 7, "response_len_max": 7}
+
+
+def test_step_records_carry_the_engines_mean_decode_step():
+    assert engine_step_fields(1.5, 300, 6000) == {"engine_step_ms": 5.0,
+                                                  "engine_step_sequences": 20.0}
+    assert engine_step_fields(0.0, 0, 0) == {}  # an engine that counts no steps
+
+
+def test_the_rollout_delta_sums_the_generating_engines_and_restarts_a_replaced_one():
+    totals = (1.0, 2.0, 100.0, 10.0, 3.0, 50.0)
+    before = {"a": (True, totals), "b": (True, totals), "c": (True, totals)}
+    later = tuple(x * 2 for x in totals)
+    now = {"a": (True, later),
+           "b": (True, tuple(x / 2 for x in totals)),  # replaced: its counters began again
+           "c": (False, later)}  # standing by: not generating now
+    assert TrainLoop._rollout_delta(before, now) == [
+        x + x / 2 for x in totals] + [2.0]

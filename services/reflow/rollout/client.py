@@ -24,6 +24,8 @@ class RolloutStats:
     preempted_requests_total: int = 0
     kv_cache_tokens: int = 0
     concurrency_cap: int = 0
+    engine_busy_seconds_total: float = 0.0
+    engine_decode_steps_total: int = 0
 
 
 class GrpcRolloutClient:
@@ -106,7 +108,8 @@ class GrpcRolloutClient:
             m.generated_tokens_total, m.finished_samples_total, m.idle_seconds_total,
             m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,
             m.engine_startup_s, m.kv_usage_seconds_total, m.preempted_requests_total,
-            m.kv_cache_tokens, m.concurrency_cap,
+            m.kv_cache_tokens, m.concurrency_cap, m.engine_busy_seconds_total,
+            m.engine_decode_steps_total,
         )
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
@@ -166,7 +169,8 @@ class InprocRolloutClient:
                             c.inflight_samples, c.policy_version, state, error,
                             c.occupancy_seconds_total, c.engine_startup_s,
                             c.kv_usage_seconds_total, c.preempted_requests_total,
-                            c.kv_cache_tokens, c.concurrency_cap)
+                            c.kv_cache_tokens, c.concurrency_cap,
+                            c.engine_busy_seconds_total, c.engine_decode_steps_total)
 
     def close(self) -> None:
         pass

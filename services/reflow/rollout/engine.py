@@ -47,6 +47,9 @@ class EngineLoad:
     # Tokens sampled, counted by the engine as it steps; None if it does not count
     # (the worker then counts the tokens it is handed).
     generated_tokens_total: int | None = None
+    # Engine steps (scheduler iterations) that generated tokens: with the engine's
+    # busy time, the mean step a job's engine takes, beside the running batch.
+    decode_steps_total: int = 0
 
 
 # What an InitWeightSync may describe. Bounded so that a stray or hostile request

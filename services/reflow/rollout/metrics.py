@@ -31,6 +31,11 @@ class RolloutCollector:
             (CounterMetricFamily, "reflow_rollout_engine_occupancy_seconds",
              "Engine batch occupancy (running requests / concurrency cap) integrated over time; "
              "its rate is the utilisation.", c.occupancy_seconds_total),
+            (CounterMetricFamily, "reflow_rollout_engine_busy_seconds",
+             "Time the engine had a request running, unpaused.", c.engine_busy_seconds_total),
+            (CounterMetricFamily, "reflow_rollout_engine_decode_steps",
+             "Engine steps that generated tokens (busy seconds over steps: the mean step).",
+             c.engine_decode_steps_total),
             (GaugeMetricFamily, "reflow_rollout_policy_version", "Policy version loaded.",
              c.policy_version),
         ):

@@ -52,6 +52,10 @@ class RolloutCounters:
     policy_version: int = 0
     # Engine batch occupancy integrated over time (see _measure_occupancy).
     occupancy_seconds_total: float = 0.0
+    # Seconds the engine had a request running, unpaused (see _measure_occupancy).
+    engine_busy_seconds_total: float = 0.0
+    # Engine steps that generated tokens, where the engine counts them (EngineLoad).
+    engine_decode_steps_total: int = 0
     # Seconds the engine took to build: start-up, reported apart from the steady state.
     engine_startup_s: float = 0.0
     # The engine's KV-cache use integrated over time (its rate is the mean use),

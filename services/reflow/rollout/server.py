@@ -89,6 +89,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             preempted_requests_total=counters.preempted_requests_total,
             kv_cache_tokens=counters.kv_cache_tokens,
             concurrency_cap=counters.concurrency_cap,
+            engine_busy_seconds_total=counters.engine_busy_seconds_total,
+            engine_decode_steps_total=counters.engine_decode_steps_total,
         )
 
     def SubmitGroup(self, request, context):

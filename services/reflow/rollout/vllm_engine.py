@@ -47,8 +47,9 @@ def _load_recorder(load: EngineLoad):
                 load.kv_cache_usage_ratio = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
             if iteration_stats is not None:
                 load.preempted_requests_total += int(getattr(iteration_stats, "num_preempted_reqs", 0))
-                load.generated_tokens_total += int(
-                    getattr(iteration_stats, "num_generation_tokens", 0))
+                tokens = int(getattr(iteration_stats, "num_generation_tokens", 0))
+                load.generated_tokens_total += tokens
+                load.decode_steps_total += 1 if tokens else 0
 
         def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
             pass

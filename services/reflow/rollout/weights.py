@@ -170,15 +170,16 @@ class WeightSyncMixin:
         # boundary and are kept; tokens sampled after the pause belong to the new
         # version (the engine's label where it keeps them, else their arrival).
         t0 = time.perf_counter()
-        self._paused = True
         self._resumed.clear()
         if not self.spec.rollout.partial_rollout:
             # Whole samples under one version (verl one_step_off): admit nothing more
             # and let what is in flight finish under the old weights first.
             # Only samples that started: a group submitted meanwhile waits for the
             # update (on _resumed) and would never finish under the old weights.
+            # The engine is not paused yet: what it decodes meanwhile is busy time.
             while self._generating > 0 and not self._stopping:
                 await asyncio.sleep(_DRAIN_TICK_S)
+        self._paused = True
         await self.engine.pause()
         # An engine without labels: let its output handler hand over the tokens
         # generated before the pause.

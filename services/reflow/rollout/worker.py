@@ -333,6 +333,7 @@ class RolloutWorker(WeightSyncMixin):
                 seen_generated = generated
             if load is not None:
                 running = min(running, load.running_requests)
+                self.counters.engine_decode_steps_total = load.decode_steps_total
                 self.counters.kv_usage_seconds_total += (now - last) * load.kv_cache_usage_ratio
                 new = load.preempted_requests_total - seen_preempted
                 seen_preempted = load.preempted_requests_total
@@ -343,6 +344,8 @@ class RolloutWorker(WeightSyncMixin):
             if self._paused:
                 running = 0
             self.counters.occupancy_seconds_total += (now - last) * min(1.0, running / cap)
+            if running > 0:
+                self.counters.engine_busy_seconds_total += now - last
             last = now
 
     async def _run_group(self, group_id: str, prompt: Prompt, sampling: SamplingSpec) -> None:

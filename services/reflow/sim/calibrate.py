@@ -7,6 +7,10 @@ sim/costs.py:
   (least squares of step time on running sequences: the floor and the
   per-sequence term; the context term is left at 0, which a 2-layer model's
   attention makes small);
+- `in_job_decode_cost`: that engine's curve scaled to the decode steps it took
+  inside a job (`engine_step_ms` at `engine_step_sequences` of the step
+  records): an engine alone on the cores is not the engine beside a trainer, a
+  rollout front end, Redis and the scheduler;
 - `train_cost`: the trainer's `train_s` against `trained_tokens` per step of a
   real run's metrics.jsonl (an intercept, the step's fixed cost, and a slope,
   seconds a token, given as FLOPS over the run's trainer cores);
@@ -46,6 +50,34 @@ def decode_cost(step_ms: dict[int, float], kv_capacity_tokens: int,
                       per_context_token_us=0.0, prefill_per_token_us=prefill_per_token_us,
                       kv_capacity_tokens=kv_capacity_tokens,
                       max_running_sequences=max_running_sequences)
+
+
+def in_job_slowdown(alone: DecodeCost, records: list[dict]) -> float:
+    """The median, over the steps that decoded, of the engine's mean decode step in
+    the job (`engine_step_ms`) over the step the engine alone takes at the same
+    mean batch (`engine_step_sequences`). The curve alone (`decode_cost`'s, no
+    context term) is linear in running sequences, so its value at the mean batch
+    is its mean step, exactly."""
+    if alone.per_context_token_us:
+        raise ValueError("in_job_slowdown takes decode_cost's curve, without a context term")
+    ratios = [r["engine_step_ms"]
+              / (alone.floor_ms + alone.per_sequence_ms * r["engine_step_sequences"])
+              for r in records if r.get("engine_step_ms", 0) > 0
+              and r.get("engine_step_sequences", 0) > 0]
+    if not ratios:
+        raise ValueError("no step record has engine_step_ms: the runs predate the engine's "
+                         "step counters, or the engine counted no steps (REFLOW_ENGINE_STATS=0)")
+    return float(statistics.median(ratios))
+
+
+def in_job_decode_cost(alone: DecodeCost, records: list[dict]) -> DecodeCost:
+    """`alone` with its floor and per-sequence term scaled by `in_job_slowdown`:
+    the curve's shape from the engine benchmarked by itself (a job's steps span
+    too narrow a range of batches to fit a slope: a sync job's are all one
+    batch), its level from the steps the engine took in the job."""
+    scale = in_job_slowdown(alone, records)
+    return alone.model_copy(update={"floor_ms": alone.floor_ms * scale,
+                                    "per_sequence_ms": alone.per_sequence_ms * scale})
 
 
 def train_cost(records: list[dict], cores: int, parameters: float) -> TrainCost:

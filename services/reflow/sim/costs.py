@@ -66,9 +66,11 @@ class LengthModel(_Section):
     """Response lengths: each prompt's group median drawn lognormal, each sample
     lognormal around it, capped at `max_tokens`; a curriculum stretches them by
     `growth_per_step` each step. The defaults are an assumption of a math-RL
-    long tail (median 1,500 tokens, capped at 8,192), not yet fitted to the
-    published traces (Seer: rollout 63-84 % of an iteration, the last 10 % of
-    requests up to half of rollout time)."""
+    long tail (median 1,500 tokens, capped at 8,192). Against the published
+    traces (Seer: rollout 63-84 % of an iteration, the last 10 % of requests up
+    to half of rollout time), a simulated sync step at 32 GPUs has the tail
+    (its last 10 % of samples hold the batch for 49 % of generation,
+    `rollout_tail_share`) but a larger rollout share (90 %): bench/RESULTS.md."""
 
     prompt_tokens: int = Field(512, gt=0)
     median_tokens: float = Field(1500.0, gt=0)

@@ -89,8 +89,8 @@ class SimEngine:
         self._seq = 0
         self._seq_tool = 0
         # RolloutStats' counters.
-        self.generated_tokens = self.finished_samples = self.preemptions = 0
-        self.idle_s = self.kv_usage_s = self.occupancy_s = 0.0
+        self.generated_tokens = self.finished_samples = self.preemptions = self.decode_steps = 0
+        self.idle_s = self.kv_usage_s = self.occupancy_s = self.busy_s = 0.0
         self.cap = 0
 
     # --- WorkerClient -----------------------------------------------------------------
@@ -126,7 +126,8 @@ class SimEngine:
             inflight_samples=len(self.running) + len(self.waiting), policy_version=self.version,
             state="running", error="", occupancy_seconds_total=self.occupancy_s,
             kv_usage_seconds_total=self.kv_usage_s, preempted_requests_total=self.preemptions,
-            kv_cache_tokens=self.decode.kv_capacity_tokens, concurrency_cap=self.cap)
+            kv_cache_tokens=self.decode.kv_capacity_tokens, concurrency_cap=self.cap,
+            engine_busy_seconds_total=self.busy_s, engine_decode_steps_total=self.decode_steps)
 
     # --- the simulation's side ------------------------------------------------------
 
@@ -195,8 +196,10 @@ class SimEngine:
             kv = self.decode.kv_capacity_tokens
             self.kv_usage_s += dt * min(1.0, (self.context + b * steps / 2) / kv)
             self.occupancy_s += dt * min(1.0, b / max(1, self.cap or b))
+            self.busy_s += dt
             self.t += dt
             self.counter += steps
+            self.decode_steps += steps
             self.context += b * steps
             self.generated_tokens += b * steps
             self._finish_ended()
@@ -244,7 +247,9 @@ class SimEngine:
                                         seq.group_id, seq.index))
             # Prefill (a preempted sequence recomputes its tokens too; one back from
             # a tool call only the tool's output).
-            self.t += (need - seq.cached) * self.decode.prefill_per_token_us / 1e6
+            prefill_s = (need - seq.cached) * self.decode.prefill_per_token_us / 1e6
+            self.t += prefill_s
+            self.busy_s += prefill_s
             seq.cached = 0
 
     def _run_segments(self, seq: _Seq) -> list[list[int]]:

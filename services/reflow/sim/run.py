@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
 from reflow.report import plot
 from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
+from reflow.trainer.records import engine_step_fields
 from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
@@ -128,6 +130,8 @@ class Simulation:
             self.feed = PlacementFeed(planner, self.dispatcher, self.pool)
         self.version = 0
         self.records: list[dict] = []
+        # When each sample of the current step ended (virtual seconds): the step's tail.
+        self._sample_ends: list[float] = []
 
     # --- the event loop ---------------------------------------------------------------
 
@@ -240,6 +244,8 @@ class Simulation:
                     e.advance_to(clock.now)
                     events = e.take_events()
                     if events:
+                        self._sample_ends += [clock.now for ev in events
+                                              if ev.sample_index >= 0 and not ev.error]
                         self.dispatcher.apply_events(events)
                         dirty = True
                         put = any(e.sample_index < 0 for e in events)
@@ -250,11 +256,12 @@ class Simulation:
 
     # --- records ----------------------------------------------------------------------
 
-    def _rollout_totals(self) -> dict[str, tuple[float, float, int, int]]:
+    def _rollout_totals(self) -> dict[str, tuple[float, float, int, int, float, int]]:
         now = self.clock.now
         for e in self.engines.values():
             e.advance_to(now)
-        return {n: (e.idle_s, e.occupancy_s, e.generated_tokens, e.finished_samples)
+        return {n: (e.idle_s, e.occupancy_s, e.generated_tokens, e.finished_samples, e.busy_s,
+                    e.decode_steps)
                 for n, e in self.engines.items()}
 
     def _rollout_names(self) -> list[str]:
@@ -270,7 +277,7 @@ class Simulation:
         # the step counts on the side it ended on).
         names = self._rollout_names()
         n = len(names)
-        delta = [sum(after[k][i] - before[k][i] for k in names) for i in range(4)]
+        delta = [sum(after[k][i] - before[k][i] for k in names) for i in range(6)]
         histogram: dict[str, int] = {}
         for s in staleness:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
@@ -286,16 +293,30 @@ class Simulation:
             "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s else 0.0,
             "rollout_idle_ratio": min(1.0, delta[0] / (step_s * n)) if step_s else 0.0,
             "rollout_utilisation": min(1.0, delta[1] / (step_s * n)) if step_s else 0.0,
+            "rollout_busy_ratio": min(1.0, delta[4] / (step_s * n)) if step_s else 0.0,
+            **engine_step_fields(delta[4], delta[5], delta[2]),
             "generated_tokens": delta[2], "generated_samples": delta[3],
             "fresh_samples": fresh, "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed, "staleness_histogram": histogram,
             "wait_s": wait_s, "train_s": train_s, "sync_s": sync_s, "sync_wait_s": sync_wait_s,
             "weight_sync_s": self.costs.sync.sync_s if sync_s else 0.0,
+            **self._tail_share(self.clock.now - step_s),
             "rollout_workers": n, "trainer_gpus": self.trainer_gpus,
             "trainer_workers": (self.pool.trainer_units if self.pool is not None
                                 else self.trainer_gpus // self.costs.gpus_per_engine),
         }
         self.records.append(record)
+
+    def _tail_share(self, step_start: float) -> dict:
+        """`rollout_tail_share`: of the time from the step's start to its last sample's
+        end, the share after 90 % of its samples had ended. In sync, how long the
+        stragglers hold the batch (Seer: the last 10 % of requests up to half of
+        rollout time). Only the simulator records sample ends on one clock."""
+        ends, self._sample_ends = sorted(self._sample_ends), []
+        if len(ends) < 10 or ends[-1] <= step_start:
+            return {}
+        p90 = ends[math.ceil(0.9 * len(ends)) - 1]
+        return {"rollout_tail_share": (ends[-1] - p90) / (ends[-1] - step_start)}
 
     def _summary(self, wall_s: float) -> dict:
         with (self.out / "metrics.jsonl").open("w") as f:
@@ -317,6 +338,8 @@ class Simulation:
             "throughput_tokens_per_s": trained / span if span else 0.0,
             "trainer_idle_ratio": mean("trainer_idle_ratio"),
             "rollout_idle_ratio": mean("rollout_idle_ratio"),
+            "rollout_tail_share": statistics.median(
+                [r["rollout_tail_share"] for r in measured if "rollout_tail_share" in r] or [0.0]),
             "replay_fraction": sum(r["replay_samples"] for r in measured)
             / max(1, sum(r["replay_samples"] + r["fresh_samples"] + r["stale_samples"]
                          for r in measured)),

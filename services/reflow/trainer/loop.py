@@ -478,7 +478,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the
         trainer role stands by), and its idle seconds, occupancy seconds, generated
-        tokens and finished samples so far. An engine whose stats could not be read
+        tokens, finished samples, engine-busy seconds and engine decode steps so far. An engine whose stats could not be read
         now is left out (of this step's rollout metrics, and of the next one's)."""
         out = {}
         for c in self.rollouts:
@@ -487,20 +487,21 @@ class TrainLoop(GroupMembership, WeightPublisher):
                 continue
             out[c.address] = (s.state != "standby",
                               (s.idle_seconds_total, s.occupancy_seconds_total,
-                               float(s.generated_tokens_total), float(s.finished_samples_total)))
+                               float(s.generated_tokens_total), float(s.finished_samples_total),
+                               s.engine_busy_seconds_total, float(s.engine_decode_steps_total)))
         return out
 
     @staticmethod
     def _rollout_delta(before: dict, now: dict) -> list[float]:
-        """The step's idle, occupancy, tokens and samples over the engines generating
-        now, and their number."""
+        """The step's idle, occupancy, tokens, samples, engine-busy seconds and decode
+        steps over the engines generating now, and their number."""
         active = [(totals, before.get(address, (True, totals))[1])
                   for address, (generating, totals) in now.items() if generating]
         # A replaced worker's counters start again from zero: its totals are all
         # this step's.
-        active = [(t, b if all(x >= y for x, y in zip(t, b)) else (0.0,) * 4)
+        active = [(t, b if all(x >= y for x, y in zip(t, b)) else (0.0,) * len(t))
                   for t, b in active]
-        sums = [sum(t[k] - b[k] for t, b in active) for k in range(4)]
+        sums = [sum(t[k] - b[k] for t, b in active) for k in range(6)]
         return [*sums, float(len(active))]
 
     @property

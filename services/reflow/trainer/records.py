@@ -15,7 +15,8 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
              sync_wait_s: float, step_s: float, rollout_delta: list[float],
              wall_s: float) -> dict[str, Any]:
     loss_stats, grad_norm = stats
-    rollout_idle_s, occupancy_s, generated_tokens, finished_samples, active = rollout_delta
+    (rollout_idle_s, occupancy_s, generated_tokens, finished_samples, busy_s, decode_steps,
+     active) = rollout_delta
     trajs = batch.trajectories
     scored = [t for t in trajs if not t.reward_error]
     trained_tokens = sum(t.num_tokens for t in trajs)
@@ -55,6 +56,11 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         # The engines' measured batch occupancy over this step (running requests
         # over the concurrency cap), averaged over the workers.
         "rollout_utilisation": min(1.0, occupancy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
+        # The share of the step the engines had a request running, averaged over the
+        # workers: the rest of a generation phase is the job's own work around the
+        # engine (dispatch, scoring, puts, the lease), which sim/calibrate.py measures.
+        "rollout_busy_ratio": min(1.0, busy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
+        **engine_step_fields(busy_s, decode_steps, generated_tokens),
         # Tokens the engines generated during this step (kept or not): generation
         # throughput, the adaptive scheduler's yardstick (paper §6.1).
         "generated_tokens": int(generated_tokens),
@@ -109,6 +115,17 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         # on, and what a simulation's length model (sim/costs.py) is fitted to.
         **_length_quantiles(sorted(len(t.response_ids) for t in trajs)),
     }
+
+
+def engine_step_fields(busy_s: float, decode_steps: float, generated_tokens: float) -> dict:
+    """The engines' mean decode step over a training step and the sequences it
+    decoded at once (tokens a step), from their busy seconds, steps and tokens:
+    the decode cost in the job itself, beside the engine benchmarked alone
+    (sim/calibrate.py). Empty when the engines counted no steps."""
+    if decode_steps <= 0:
+        return {}
+    return {"engine_step_ms": busy_s / decode_steps * 1e3,
+            "engine_step_sequences": generated_tokens / decode_steps}
 
 
 def _length_quantiles(lengths: list[int]) -> dict[str, int]:

@@ -177,14 +177,15 @@ def calibrated(job: dict, runs: dict[str, list[list[dict]]], engines: dict[str, 
         records = [r for e in entries for r in steady[e]]
         alone = calibrate.decode_cost(engine["step_ms"], engine["kv_cache_tokens"],
                                       engine["max_num_seqs"])
+        in_job = calibrate.in_job_decode_cost(alone, records)
         costs = {
-            "decode": calibrate.in_job_decode_cost(alone, records).model_dump(),
+            "decode": in_job.model_dump(),
             "lengths": lengths.model_dump(),
             "train": calibrate.train_cost(records, cores, parameters).model_dump(),
             "gpus_per_engine": 2 if placement == "colocated" else 1,
         }
         configs[placement] = costs
-        slowdowns[placement] = calibrate.in_job_slowdown(alone, records)
+        slowdowns[placement] = in_job.floor_ms / alone.floor_ms
     return configs, slowdowns
 
 

@@ -141,10 +141,14 @@ def test_a_draining_weight_update_counts_the_engine_s_decoding_as_busy():
         time.sleep(0.05)
         busy, occupancy = (worker.counters.engine_busy_seconds_total,
                            worker.counters.occupancy_seconds_total)
-        time.sleep(0.4)  # the update drains: the samples are still decoding
-        assert update.is_alive()
-        assert worker.counters.engine_busy_seconds_total - busy > 0.3
-        assert worker.counters.occupancy_seconds_total - occupancy > 0.1
+        # The update drains, and waits on the samples (released below) however long
+        # that takes: their decoding keeps counting meanwhile, whatever the load.
+        deadline = time.monotonic() + 30
+        while (worker.counters.engine_busy_seconds_total - busy < 0.3
+               or worker.counters.occupancy_seconds_total - occupancy < 0.3):
+            assert time.monotonic() < deadline, "the drain's decoding was not counted"
+            time.sleep(0.02)
+        assert update.is_alive() and worker.counters.policy_version == 0
         worker._loop.call_soon_threadsafe(engine.release.set)
         update.join(5)
         assert not update.is_alive() and worker.counters.policy_version == 1

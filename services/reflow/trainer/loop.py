@@ -478,7 +478,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the
         trainer role stands by), and its idle seconds, occupancy seconds, generated
-        tokens, finished samples, engine-busy seconds and engine decode steps so far. An engine whose stats could not be read
+        tokens, finished samples, engine-busy seconds and engine decode steps so far.
+        An engine whose stats could not be read
         now is left out (of this step's rollout metrics, and of the next one's)."""
         out = {}
         for c in self.rollouts:

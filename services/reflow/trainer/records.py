@@ -58,7 +58,7 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "rollout_utilisation": min(1.0, occupancy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
         # The share of the step the engines had a request running, averaged over the
         # workers: the rest of a generation phase is the job's own work around the
-        # engine (dispatch, scoring, puts, the lease), which sim/calibrate.py measures.
+        # engine (dispatch, scoring, puts, the lease).
         "rollout_busy_ratio": min(1.0, busy_s / (step_s * num_workers)) if step_s > 0 else 0.0,
         **engine_step_fields(busy_s, decode_steps, generated_tokens),
         # Tokens the engines generated during this step (kept or not): generation

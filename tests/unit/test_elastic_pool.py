@@ -17,7 +17,7 @@ from reflow.rollout.worker import RolloutWorker
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.elastic import ElasticPool
 from reflow.trainer.client import TrainerStatus
-from reflow.worker.service import HybridWorker
+from reflow.worker.service import HybridWorker, RoleStatus
 
 from tests.unit.test_dispatch import Budget, OneWorker, StaggeredEngine
 
@@ -174,7 +174,7 @@ def test_scripted_flips_are_reported_to_the_leader_in_order_refused_ones_too():
 
     class Roles:
         def set_role(self, job_id, role, drain_timeout_s=60.0, hand_back=False):
-            return None
+            return RoleStatus(job_id, role)
 
         def set_sync_place(self, job_id, first_rank, world_size):
             return None
@@ -226,7 +226,7 @@ def test_a_flip_the_job_s_end_overtakes_is_dropped_not_failed():
 
     class Roles:
         def set_role(self, job_id, role, drain_timeout_s=60.0, hand_back=False):
-            return None
+            return RoleStatus(job_id, role)
 
     class Routes:
         returned_groups = 0

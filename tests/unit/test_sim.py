@@ -16,6 +16,7 @@ from reflow.replay.embedded import EmbeddedRedis
 from reflow.replay.store import ReplayStore
 from reflow.report import read_metrics, summarize
 from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.generation import ConcurrencyController
 from reflow.scheduler.placement import PlacementPlanner
 from reflow.scheduler.placement_feed import PlacementFeed
@@ -72,7 +73,8 @@ def test_no_simulator_only_copy_of_the_control_code():
     control = {"Dispatcher", "ReplayStore", "ConcurrencyController", "LengthEstimator",
                "WorkerLoad", "route", "PlacementPlanner", "PlacementPolicy", "DispatchLedger",
                "acquire_dispatch", "dispatch_limits", "InprocReplayClient", "PlacementFeed",
-               "planner_for", "WindowMeasurement", "blocked_worker_seconds"}
+               "planner_for", "WindowMeasurement", "blocked_worker_seconds", "ElasticPool",
+               "FlipRequest", "JobEnded", "rebalance", "schedule"}
     package = Path(reflow.sim.__file__).parent
     for path in package.glob("*.py"):
         tree = ast.parse(path.read_text())
@@ -82,7 +84,15 @@ def test_no_simulator_only_copy_of_the_control_code():
     import reflow.sim.run as run
 
     assert run.Dispatcher is Dispatcher and run.ReplayStore is ReplayStore
-    assert run.PlacementFeed is PlacementFeed
+    assert run.PlacementFeed is PlacementFeed and run.ElasticPool is ElasticPool
+    # Nor a class in reflow.sim that carries flips out itself: its only pool is the
+    # product's (a sim-side rebalance or flip queue would be a copy).
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            assert not methods & {"rebalance", "at_boundary", "request"}, \
+                (path.name, cls.name)
 
 
 def test_each_mode_keeps_its_staleness_and_replay_bounds(redis_client, tmp_path):
@@ -211,25 +221,41 @@ def test_a_bad_config_names_its_field(tmp_path):
 def test_algorithm_1_moves_the_elastic_pool_and_placement_off_keeps_the_split(redis_client,
                                                                               tmp_path):
     """Reflow's GPUs are an elastic pool: each step's record goes to the product's
-    PlacementFeed and PlacementPlanner, and its rebalances move units between
-    rollout and the trainer at sync boundaries, never losing or doubling a GPU.
-    With scheduler.placement off (the ablation) the split stays as it started."""
+    PlacementFeed and PlacementPlanner, and the product's ElasticPool, driven on
+    the virtual clock, carries its rebalances out through the flip protocol (the
+    dispatcher's standby, the worker's role, the leader's membership at a sync
+    boundary), never doubling a GPU and with at most one unit in transit (between
+    its drain and the boundary). With scheduler.placement off (the ablation) the
+    split stays as it started."""
     config = _small(24)
     config = config.model_copy(update={"job": {**config.job, "scheduler": {
         **config.job.get("scheduler", {}), "placement_cooldown_steps": 2,
         "placement_min_gain": 0.0}}})
     sim, summary = _run("reflow", redis_client, tmp_path, gpus=8, config=config)
     assert type(sim.feed.planner) is PlacementPlanner
+    assert type(sim.pool) is ElasticPool and sim.pool.clock is sim.clock
+    assert sim.feed.pool is sim.pool and sim.pool.error == ""
     records = [json.loads(x) for x in (tmp_path / "reflow" / "metrics.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["rollout_blocked_ratio"] <= 1.0 for r in records)
-    assert all(r["rollout_workers"] + r["trainer_workers"] == 8 for r in records)
+    units = [r["rollout_workers"] + r["trainer_workers"] for r in records]
+    assert set(units) <= {7, 8} and units.count(8) > len(units) // 2
     assert all(r["trainer_gpus"] == r["trainer_workers"] for r in records)  # 1 GPU a unit
     events = [json.loads(x) for x in
               (tmp_path / "reflow" / "scheduler_events.jsonl").read_text().splitlines()]
     moved = [e for e in events if e["event"] == "placement" and e["carried_out"]]
-    assert moved and summary["role_flips"] == len(sim.pool.flips) >= len(moved)
-    assert {f["reason"] for f in sim.pool.flips} <= {"placement: more_rollout",
-                                                      "placement: more_trainer"}
+    flips = [e for e in events if e["event"] == "role_flip"]
+    assert moved and summary["role_flips"] == len(flips) == sim.pool.flips_done >= len(moved)
+    assert {f["reason"] for f in flips} <= {"placement: more_rollout", "placement: more_trainer"}
+    assert {f["to"] for f in flips} == {"rollout", "trainer"}
+    # Each flip's phases on the virtual clock: the wait for the boundary, the
+    # trainer's pause (FlipCost) as the leader's regroup time, the epochs in order.
+    flip_cost = sim.costs.flip
+    for f in flips:
+        assert f["regroup_s"] == (flip_cost.to_trainer_s if f["to"] == "trainer"
+                                  else flip_cost.to_rollout_s)
+        assert f["wait_boundary_s"] >= 0 and f["total_s"] >= f["regroup_s"]
+    assert [f["membership_epoch"] for f in flips] == list(range(1, len(flips) + 1))
+    assert {e["event"] for e in events} >= {"worker_standby", "worker_admitting"}
     assert len({r["rollout_workers"] for r in records}) > 1
 
     off = config.model_copy(update={"job": {**config.job, "scheduler": {

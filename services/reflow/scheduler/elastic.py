@@ -13,8 +13,12 @@ weight-sync group from the start, and a warm trainer replica. A flip:
 - trainer -> rollout: the leader drops the replica from its group at the next
   sync boundary; the engine, which has loaded every published version
   meanwhile, admits again; the dispatcher routes to it once it reports running.
-Flips run one at a time on the pool's thread; each is a scheduling event with
-its phases timed, and the job's record lists the workers by role.
+Flips run one at a time, each a scheduling event with its phases timed, and
+the job's record lists the workers by role. A flip is a sequence of calls and
+waits (a generator that yields while it waits on a worker, the dispatcher or the
+leader); the pool's thread carries flips out on wall time, polling each wait,
+and the simulator (reflow.sim) carries the same generators out with `step()` at
+its events, on its virtual clock (the pool reads time through one `Clock`).
 
 A worker other than the leader that dies leaves the pool (`worker_lost`): the
 job goes on with one worker fewer, as long as a rollout worker and
@@ -31,10 +35,10 @@ import logging
 import queue
 import re
 import threading
-import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
+from reflow.core.clock import WALL_CLOCK, Clock
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
 from reflow.weightsync import RankPlan
@@ -82,13 +86,14 @@ class ElasticPool:
     def __init__(self, job_id: str, spec: JobSpec, worker_addresses: list[str], leader,
                  dispatcher, worker_client_factory: Callable[[str], object],
                  record: Callable[[dict], None], names: list[str] | None = None,
-                 relabel: Callable[[str, str], object] | None = None) -> None:
+                 relabel: Callable[[str, str], object] | None = None,
+                 clock: Clock = WALL_CLOCK) -> None:
         """`leader`: the trainer client of worker 0; `dispatcher` the job's
         Dispatcher (keyed by the rollout workers' addresses); `record` writes a
         scheduling event; `names` the workers' names (pods on Kubernetes);
         `relabel(name, role)` records a carried-out flip in the cluster (the
-        pod's role label)."""
-        self.job_id, self.spec = job_id, spec
+        pod's role label); `clock` times the phases and bounds the waits."""
+        self.job_id, self.spec, self.clock = job_id, spec, clock
         self.addresses = list(worker_addresses)
         self.names = list(names or [f"worker-{i}" for i in range(len(self.addresses))])
         self.relabel = relabel
@@ -103,16 +108,20 @@ class ElasticPool:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"elastic-{job_id[:20]}",
                                         daemon=True)
+        self._active: Iterator[None] | None = None  # the flip step() carries out
         self.flips_done = 0
         self.error = ""
 
     # --- set-up -------------------------------------------------------------------------
 
-    def start_roles(self) -> None:
-        """Give every worker but the leader its initial role."""
+    def start_roles(self, thread: bool = True) -> None:
+        """Give every worker but the leader its initial role. `thread`: carry the
+        flips out on the pool's thread (wall time); False: the caller drives them
+        with `step()` (a simulation on a virtual clock)."""
         for i, client in self._workers.items():
             client.set_role(self.job_id, self.roles[i], 0.0)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     @property
     def trainer_peers(self) -> list[str]:
@@ -231,7 +240,7 @@ class ElasticPool:
                 raise FailedPrecondition(f"{left} workers would be left, below "
                                          f"cluster.min_workers={self.spec.cluster.min_workers}")
             self.roles[i] = self._planned[i] = "lost"
-        started = time.monotonic()
+        started = self.clock.monotonic()
         address = self.addresses[i]
         rerouted = self.dispatcher.worker_retired(address)
         # The surviving engines' places in the smaller weight-sync group first: the
@@ -246,43 +255,84 @@ class ElasticPool:
         event = {"event": "worker_left_pool", "worker": i, "name": name, "role": role,
                  "reason": reason, "groups_rerouted": rerouted, "membership_epoch": epoch,
                  "workers_left": len(engines) + 1,
-                 "handled_s": round(time.monotonic() - started, 3)}
+                 "handled_s": round(self.clock.monotonic() - started, 3)}
         self.record(event)
         return event
 
     # --- carrying flips out -------------------------------------------------------------
 
     def _run(self) -> None:
+        """The pool's thread: each flip in turn, its waits polled on wall time."""
         while not self._stop.is_set():
             flip = self._queue.get()
             if flip is None:
                 return
-            if flip.refused:
-                self._report_scripted(flip.scripted)
-                continue
-            if self.roles[flip.worker] == "lost":
-                self.record({"event": "role_flip_dropped", "worker": flip.worker,
-                             "to": flip.role, "reason": "the worker was lost"})
-                self._report_scripted(flip.scripted)
-                continue
-            try:
-                self._flip(flip)
-            except JobEnded as err:
-                self._report_scripted(flip.scripted)
-                self.record({"event": "role_flip_dropped", "worker": flip.worker,
-                             "to": flip.role, "reason": str(err)[:500]})
-                continue
-            except Exception as err:  # noqa: BLE001 - the job watcher fails the job
-                self._report_scripted(flip.scripted)
-                if self.roles[flip.worker] == "lost":  # it died during its flip
-                    self.record({"event": "role_flip_dropped", "worker": flip.worker,
-                                 "to": flip.role, "reason": f"the worker was lost: {err}"[:500]})
-                    continue
-                logger.exception("job %s: role flip failed", self.job_id)
-                self.error = f"flip of worker {flip.worker} to {flip.role}: {err}"
-                self.record({"event": "role_flip_failed", "worker": flip.worker,
-                             "to": flip.role, "error": str(err)[:500]})
+            flow = self._handle(flip)
+            for _ in flow:
+                if self._stop.wait(POLL_S):
+                    flow.close()  # the job is ending: the flip goes with it
+                    return
+            if self.error:
                 return
+
+    def step(self) -> bool:
+        """Carry the queued flips as far as they go without waiting: the driver of a
+        pool started with `start_roles(thread=False)`, called at each of a
+        simulation's events. Returns whether a flip began or ended (the dispatcher
+        may route differently). Stops at a failed flip, as the thread does."""
+        moved = False
+        while not self.error:
+            if self._active is None:
+                try:
+                    flip = self._queue.get_nowait()
+                except queue.Empty:
+                    return moved
+                if flip is None:
+                    return moved
+                self._active, moved = self._handle(flip), True
+            try:
+                next(self._active)
+                return moved  # waiting on a worker, the dispatcher or the leader
+            except StopIteration:
+                self._active, moved = None, True
+        return moved
+
+    def _handle(self, flip: FlipRequest) -> Iterator[None]:
+        """One request, refused, dropped or carried out; a failure sets `error` (the
+        job watcher fails the job for it)."""
+        if flip.refused:
+            self._report_scripted(flip.scripted)
+            return
+        if self.roles[flip.worker] == "lost":
+            self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                         "to": flip.role, "reason": "the worker was lost"})
+            self._report_scripted(flip.scripted)
+            return
+        try:
+            yield from self._flip(flip)
+        except JobEnded as err:
+            self._report_scripted(flip.scripted)
+            self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                         "to": flip.role, "reason": str(err)[:500]})
+        except Exception as err:  # noqa: BLE001 - the job watcher fails the job
+            self._report_scripted(flip.scripted)
+            if self.roles[flip.worker] == "lost":  # it died during its flip
+                self.record({"event": "role_flip_dropped", "worker": flip.worker,
+                             "to": flip.role, "reason": f"the worker was lost: {err}"[:500]})
+                return
+            logger.exception("job %s: role flip failed", self.job_id)
+            self.error = f"flip of worker {flip.worker} to {flip.role}: {err}"
+            self.record({"event": "role_flip_failed", "worker": flip.worker,
+                         "to": flip.role, "error": str(err)[:500]})
+
+    def _until(self, ready: Callable[[], bool], timeout_s: float, what: str) -> Iterator[None]:
+        """Wait (yield to the driver) until `ready()`; TimeoutError naming `what`
+        after `timeout_s` on the pool's clock."""
+        deadline = self.clock.monotonic() + timeout_s
+        while not ready():
+            if self.clock.monotonic() > deadline:
+                raise TimeoutError(f"{what} not within {timeout_s:.0f}s")
+            yield
 
     def _report_scripted(self, scripted: int) -> None:
         """Tell the leader a scripted flip was dealt with without a membership of
@@ -295,35 +345,42 @@ class ElasticPool:
             logger.warning("job %s: scripted flip %d not reported to the leader: %s",
                            self.job_id, scripted, err)
 
-    def _flip(self, flip: FlipRequest) -> None:
+    def _flip(self, flip: FlipRequest) -> Iterator[None]:
         address, client = self.addresses[flip.worker], self._workers[flip.worker]
         source = self.roles[flip.worker]
-        started = time.monotonic()
+        clock = self.clock
+        started = clock.monotonic()
         phases: dict[str, float] = {}
         if flip.role == "trainer":
             # Out of routing first, so nothing new lands while the engine drains.
             self.dispatcher.set_standby(address, True)
-            t = time.monotonic()
+            t = clock.monotonic()
             hand_back = self.spec.cluster.flip_inflight == "return"
             returned_before = self.dispatcher.returned_groups
-            client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S, hand_back)
-            phases["drain_s"] = time.monotonic() - t
+            role = client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S, hand_back)
+            if role.engine_inflight:
+                # A worker that answered before its engine drained (a simulated one,
+                # whose generation runs on the virtual clock): wait for the drain.
+                yield from self._until(
+                    lambda: client.role(self.job_id).engine_inflight == 0, DRAIN_TIMEOUT_S,
+                    f"the drain of worker {flip.worker}'s engine")
+            phases["drain_s"] = clock.monotonic() - t
             # The dispatcher's count of the worker's samples still out: the drain
             # ended each in the buffer, so this is 0 unless something was lost.
-            in_flight = self._await_events(address)
+            in_flight = yield from self._await_events(address)
             self._set_role(flip.worker, "trainer")
-            status = self._regroup(phases, flip.scripted)
+            status = yield from self._regroup(phases, flip.scripted)
         else:
             self._set_role(flip.worker, "rollout")
-            status = self._regroup(phases, flip.scripted)
-            t = time.monotonic()
+            status = yield from self._regroup(phases, flip.scripted)
+            t = clock.monotonic()
             client.set_role(self.job_id, "rollout", 0.0)
             self.dispatcher.set_standby(address, False)
-            while not self.dispatcher.routable(address) and not self._stop.wait(POLL_S):
-                pass
-            phases["admit_s"] = time.monotonic() - t
+            while not self.dispatcher.routable(address):
+                yield
+            phases["admit_s"] = clock.monotonic() - t
         if self.relabel is not None:
-            t = time.monotonic()
+            t = clock.monotonic()
             try:
                 self.relabel(self.names[flip.worker], flip.role)
             except Exception as err:  # noqa: BLE001 - the worker has flipped; the label lags
@@ -331,8 +388,8 @@ class ElasticPool:
                                self.job_id, self.names[flip.worker], flip.role, err)
                 self.record({"event": "role_label_failed", "worker": flip.worker,
                              "to": flip.role, "error": str(err)[:500]})
-            phases["relabel_s"] = time.monotonic() - t
-        total = time.monotonic() - started
+            phases["relabel_s"] = clock.monotonic() - t
+        total = clock.monotonic() - started
         self.flips_done += 1
         self.dispatcher.role_flips[f"{source}->{flip.role}"] += 1
         self.record({"event": "role_flip", "worker": flip.worker,
@@ -350,24 +407,24 @@ class ElasticPool:
                          "returned_groups": self.dispatcher.returned_groups - returned_before}
                         if flip.role == "trainer" else {})})
 
-    def _await_events(self, address: str, timeout_s: float = 10.0) -> int:
+    def _await_events(self, address: str, timeout_s: float = 10.0) -> Iterator[None]:
         """Samples the dispatcher still counts out on a worker that left rollout,
         once its last events (samples ended, groups put or handed back) have reached
         the dispatcher (its event reader lags by a poll): 0 unless one was lost."""
-        deadline = time.monotonic() + timeout_s
-        while self.dispatcher.inflight(address) and time.monotonic() < deadline:
-            self._stop.wait(POLL_S)
+        deadline = self.clock.monotonic() + timeout_s
+        while self.dispatcher.inflight(address) and self.clock.monotonic() < deadline:
+            yield
         return self.dispatcher.inflight(address)
 
     def _set_role(self, worker: int, role: str) -> None:
         with self._lock:
             self.roles[worker] = role
 
-    def _regroup(self, phases: dict[str, float], scripted: int = 0) -> dict:
+    def _regroup(self, phases: dict[str, float], scripted: int = 0) -> Iterator[None]:
         """Hand the leader the new membership and wait until its group applied it at
         a sync boundary; adds the wait for the boundary and the rebuild to `phases`.
         `scripted`: the flip's place in cluster.flips (0: not scripted)."""
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
             epoch = self.leader.reconfigure(self.job_id, self.trainer_peers,
                                             scripted_flips=scripted)
@@ -378,16 +435,16 @@ class ElasticPool:
                 raise JobEnded(f"the trainer {state} before the flip's sync boundary") from None
             raise
         deadline = started + BOUNDARY_TIMEOUT_S
-        while not self._stop.is_set():
+        while True:
             status = self.leader.status(self.job_id)
             if status.membership_epoch >= epoch:
                 phases["regroup_s"] = status.last_regroup_s
-                phases["wait_boundary_s"] = time.monotonic() - started - status.last_regroup_s
+                phases["wait_boundary_s"] = (self.clock.monotonic() - started
+                                             - status.last_regroup_s)
                 return {"group_size": status.group_size, "epoch": status.membership_epoch,
                         "state_handoff": status.last_state_handoff}
             if status.state in ("succeeded", "failed", "stopped"):
                 raise JobEnded(f"the trainer {status.state} before the flip's sync boundary")
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 raise TimeoutError(f"no sync boundary within {BOUNDARY_TIMEOUT_S:.0f}s")
-            self._stop.wait(POLL_S)
-        raise FailedPrecondition("the job stopped during the flip")
+            yield

@@ -27,7 +27,7 @@ from reflow.core.clock import VirtualClock
 from reflow.core.types import Segment, Trajectory, group_advantages
 from reflow.replay.client import ReplayClient
 from reflow.rollout.client import RolloutStats
-from reflow.rollout.records import SampleEvent
+from reflow.rollout.records import GROUP_RETURNED, SampleEvent
 from reflow.sim.costs import CostModel
 from reflow.tasks import Prompt
 
@@ -220,6 +220,31 @@ class SimEngine:
         partial rollout lets the running samples finish under the old weights)."""
         self.draining = draining
         self._next = None
+
+    @property
+    def inflight(self) -> int:
+        """Sequences submitted and not ended (RolloutStats.inflight_samples)."""
+        return len(self.running) + len(self.waiting) + len(self._tools)
+
+    def hand_back(self) -> int:
+        """Abort every group not yet put, as a worker leaving rollout does with
+        `cluster.flip_inflight: return`: its sequences leave the batch (their tokens
+        are lost) and each group's end event says GROUP_RETURNED, so the dispatcher
+        routes its prompt again. Returns the groups handed back."""
+        for key, seq in list(self.running.items()):
+            self.context -= seq.context + (self.counter - seq.run_start)
+            del self.running[key]
+        self.waiting.clear()
+        self._tools.clear()
+        self._ends.clear()
+        returned = list(self.groups)
+        for gid in returned:
+            del self.groups[gid]
+            self._seq += 1
+            self.events.append(SampleEvent(self._seq, gid, -1, policy_version=self.version,
+                                           error=GROUP_RETURNED))
+        self._next = None
+        return len(returned)
 
     # --- internals --------------------------------------------------------------------
 

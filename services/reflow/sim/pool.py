@@ -1,101 +1,87 @@
 """The elastic pool of a simulated job (paper §5): units of
 `costs.gpus_per_engine` GPUs, each an engine or a share of the trainer group,
-moved by Algorithm 1 (the product's PlacementPlanner, fed by the product's
-PlacementFeed from the simulated step records).
+moved by the product's ElasticPool (scheduler/elastic.py) as Algorithm 1 (its
+PlacementPlanner, fed by its PlacementFeed from the simulated step records)
+asks.
 
-A flip is modelled on ElasticPool's protocol (scheduler/elastic.py), whose
-threads drive live services: one flip at a time, each taking effect at a sync
-boundary. rollout -> trainer: the dispatcher stops routing to the engine
-(`set_standby`), the engine finishes what it holds (`cluster.flip_inflight:
-finish`; the hand-back of `return` is not modelled), and at the next boundary
-after that the unit joins the trainer group, the trainer pausing for
-FlipCost.to_trainer_s. trainer -> rollout: at the next boundary the unit leaves
-the group, the trainer pausing for FlipCost.to_rollout_s, and the engine is
-routed to again after it.
+ElasticPool runs unchanged: its flips are driven by `step()` at the
+simulation's events instead of its thread, on the virtual clock. What it calls
+is simulated here, as the live services answer:
+- a worker's role (worker/client.py): to trainer, the engine's groups in flight
+  are handed back to the dispatcher (`cluster.flip_inflight: return`) or left
+  to finish (`finish`); the call answers at once and the pool waits for the
+  engine to hold nothing, as a live worker's call waits before it answers;
+- the leader's membership (trainer/client.py): a change asked for is pending
+  until the simulated trainer applies it at its next sync boundary, pausing
+  for FlipCost.to_trainer_s (the group grew) or to_rollout_s (it shrank), as
+  trainer/membership.py does between steps.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.sim.costs import FlipCost
+from reflow.core.clock import VirtualClock
+from reflow.core.errors import FailedPrecondition
 from reflow.sim.engine import SimEngine
+from reflow.trainer.client import TrainerStatus
+from reflow.worker.service import RoleStatus
 
 
-@dataclass
-class _Flip:
-    unit: str
-    role: str
-    reason: str
+class SimWorkerClient:
+    """An AsyncHybrid worker's role calls (GrpcWorkerClient's), on its SimEngine."""
+
+    def __init__(self, engine: SimEngine, clock: VirtualClock) -> None:
+        self.engine, self.clock = engine, clock
+        self.current = ""
+        self.flips = 0
+
+    def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0,
+                 hand_back: bool = False) -> RoleStatus:
+        self.engine.advance_to(self.clock.now)
+        if role == "trainer" and hand_back:
+            self.engine.hand_back()
+        if self.current and self.current != role:
+            self.flips += 1
+        self.current = role
+        return self.role(job_id)
+
+    def role(self, job_id: str) -> RoleStatus:
+        self.engine.advance_to(self.clock.now)
+        return RoleStatus(job_id, self.current, self.flips,
+                          engine_inflight=self.engine.inflight)
 
 
-class SimPool:
-    def __init__(self, engines: dict[str, SimEngine], rollout_units: int,
-                 dispatcher: Dispatcher, costs: FlipCost) -> None:
-        """`engines`: one per unit; the first `rollout_units` start on rollout, the
-        rest in the trainer group (out of routing)."""
-        self.engines, self.dispatcher, self.costs = engines, dispatcher, costs
-        self.roles = {name: ("rollout" if i < rollout_units else "trainer")
-                      for i, name in enumerate(engines)}
-        self._queue: deque[_Flip] = deque()
-        self._admit: list[str] = []  # back on rollout once the trainer's pause is over
-        self.flips: list[dict] = []
+class SimLeader:
+    """Trainer rank 0 as ElasticPool reaches it (GrpcTrainerClient's reconfigure
+    and status): the simulation's trainer loop applies a pending membership at a
+    sync boundary (`take_pending`, then `applied` after the pause)."""
 
-    @property
-    def rollout_units(self) -> list[str]:
-        return [n for n, r in self.roles.items() if r == "rollout"]
+    def __init__(self, job_id: str, peers: list[str]) -> None:
+        self.job_id = job_id
+        self.peers = list(peers)
+        self.pending: list[str] | None = None
+        self.epoch = 0
+        self.last_regroup_s = 0.0
+        self.state = "running"
+        self.step = self.version = 0
 
-    @property
-    def trainer_units(self) -> int:
-        return sum(1 for r in self.roles.values() if r == "trainer")
+    def reconfigure(self, job_id: str, peers: list[str] | None,
+                    rollout_addresses: list[str] | None = None, scripted_flips: int = 0) -> int:
+        if self.state != "running":
+            raise FailedPrecondition(f"job {job_id!r} is not training on this trainer")
+        if peers is None:  # a scripted flip reported without a membership
+            return self.epoch
+        self.pending = list(peers)
+        return self.epoch + 1
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._queue)
+    def status(self, job_id: str, since_step: int = -1) -> TrainerStatus:
+        return TrainerStatus(job_id, self.state, self.step, self.version,
+                             group_size=1 + len(self.peers), membership_epoch=self.epoch,
+                             last_regroup_s=self.last_regroup_s)
 
-    def rebalance(self, rollout_workers: int, reason: str) -> int:
-        """ElasticPool.rebalance: toward `rollout_workers` rollout units, the
-        highest-numbered moving first; 0 while a flip is under way."""
-        if self.busy:
-            return 0
-        names = list(self.engines)
-        delta = rollout_workers - len(self.rollout_units)
-        source, target = ("trainer", "rollout") if delta > 0 else ("rollout", "trainer")
-        movable = [n for n in reversed(names) if self.roles[n] == source]
-        for name in movable[:abs(delta)]:
-            self._queue.append(_Flip(name, target, f"placement: {reason}"))
-            if target == "trainer":
-                # Out of routing at once, so the engine drains while the trainer steps.
-                self.dispatcher.set_standby(name, True)
-        return min(abs(delta), len(movable))
+    def take_pending(self) -> list[str] | None:
+        pending, self.pending = self.pending, None
+        return pending
 
-    def at_boundary(self, now: float) -> float:
-        """A sync boundary: carry out the next flip if it is ready (a joining
-        engine has finished what it held). Returns the trainer's pause for it."""
-        if not self._queue:
-            return 0.0
-        flip = self._queue[0]
-        engine = self.engines[flip.unit]
-        if flip.role == "trainer":
-            engine.advance_to(now)
-            if engine.busy:
-                return 0.0  # still draining: the next boundary
-            pause = self.costs.to_trainer_s
-        else:
-            pause = self.costs.to_rollout_s
-        self._queue.popleft()
-        self.roles[flip.unit] = flip.role
-        if flip.role == "rollout":
-            self._admit.append(flip.unit)
-        self.flips.append({"event": "role_flip", "time_s": round(now, 3), "worker": flip.unit,
-                           "to": flip.role, "reason": flip.reason, "flip_s": pause})
-        return pause
-
-    def admit(self) -> None:
-        """The units that came back to rollout at the last boundary are routed to
-        again (called once the flip's pause is over)."""
-        for name in self._admit:
-            self.dispatcher.set_standby(name, False)
-        self._admit.clear()
+    def applied(self, peers: list[str], regroup_s: float) -> None:
+        self.peers, self.last_regroup_s = list(peers), regroup_s
+        self.epoch += 1

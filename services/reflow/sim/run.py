@@ -10,9 +10,11 @@ buffer learns the version. In sync mode rollout and trainer share every GPU
 (JobSpec.colocated) and each role switch costs SyncCost.colocate_switch_s.
 
 In reflow mode with scheduler.placement on, the GPUs are an elastic pool
-(sim/pool.py): each step's record goes to the product's PlacementFeed and
-Algorithm 1, and a rebalance moves units between rollout and the trainer at
-the sync boundaries.
+(sim/pool.py): unit 0 holds the trainer's leader, every other unit an engine;
+each step's record goes to the product's PlacementFeed and Algorithm 1, and the
+product's ElasticPool carries a rebalance out, driven at the simulation's
+events; a membership it asks for takes effect at the trainer's next sync
+boundary.
 
 Writes OUT/metrics.jsonl (one record a step, under the field names of a real
 run's, trainer/records.py, so reflow.report summarises both), OUT/summary.json
@@ -31,15 +33,17 @@ from pathlib import Path
 
 from reflow.core.clock import VirtualClock
 from reflow.core.config import MODE_PRESETS, JobSpec, parse_job_spec
+from reflow.core.pool_config import ClusterConfig
 from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
 from reflow.report import plot
 from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
-from reflow.trainer.records import engine_step_fields
+from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
-from reflow.sim.pool import SimPool
+from reflow.sim.pool import SimLeader, SimWorkerClient
+from reflow.trainer.records import engine_step_fields
 from reflow.tasks import Prompt
 
 JOB_ID = "sim"
@@ -97,41 +101,66 @@ class Simulation:
         self.replay.configure(JOB_ID, spec.replay)
         engines, self.trainer_gpus = split(config, spec, gpus)
         per_engine = self.costs.gpus_per_engine
-        # Reflow's elastic pool: every unit of per_engine GPUs holds an engine, the
-        # trainer's out of routing; Algorithm 1 moves them (paper §5-6.2).
+        # Reflow's elastic pool: unit 0 holds the trainer's leader, every other unit
+        # an engine and a trainer replica (the trainer's engines out of routing);
+        # Algorithm 1 moves them (paper §5-6.2).
         units = gpus // per_engine
         planner = (planner_for(spec, units)
                    if spec.mode == "reflow" and not spec.colocated else None)
-        rollout_units = engines
+        names = [f"rollout-{i}" for i in range(engines)]
         if planner is not None:
-            engines = units
+            self.spec = spec = spec.model_copy(update={"cluster": ClusterConfig(
+                workers=units, trainer_workers=units - engines)})
+            names = ["trainer-0", *(f"rollout-{i}" for i in range(1, units))]
         # The simulation's draws (lengths, rewards), seeded: one seed, one result.
         rng = random.Random(config.seed)  # nosec B311 # a simulation's draws, not security
         self.sample_tokens: dict[str, tuple[int, int]] = {}
         self.step = 0
-        self.engines = {f"rollout-{i}": SimEngine(f"rollout-{i}", JOB_ID, self.costs, self.replay,
-                                                  random.Random(rng.random()),  # nosec B311
-                                                  spec.rollout.group_size, lambda: self.step,
-                                                  self.sample_tokens, self.clock)
-                        for i in range(engines)}
-        names = list(self.engines)
+        self.engines = {name: SimEngine(name, JOB_ID, self.costs, self.replay,
+                                        random.Random(rng.random()),  # nosec B311
+                                        spec.rollout.group_size, lambda: self.step,
+                                        self.sample_tokens, self.clock)
+                        for name in names if not name.startswith("trainer")}
         group_ids = itertools.count(1)
         out.mkdir(parents=True, exist_ok=True)
         events = out / "scheduler_events.jsonl"
         events.unlink(missing_ok=True)
         self.dispatcher = Dispatcher(JOB_ID, spec, self.replay, self.engines, SimTask(),
-                                     clock=self.clock, standby=names[rollout_units:],
+                                     clock=self.clock,
+                                     standby=[n for i, n in enumerate(names)
+                                              if n in self.engines
+                                              and spec.cluster.initial_role(i) == "trainer"],
                                      events_path=events if planner is not None else None,
                                      new_group_id=lambda: f"g{next(group_ids):08d}")
-        self.initial_rollout_engines = rollout_units
-        self.pool = self.feed = None
+        self.initial_rollout_engines = engines
+        self.pool = self.feed = self.leader = None
+        self.flip_events: list[dict] = []
         if planner is not None:
-            self.pool = SimPool(self.engines, rollout_units, self.dispatcher, self.costs.flip)
+            self.leader = SimLeader(JOB_ID, [n for i, n in enumerate(names)
+                                             if i and spec.cluster.initial_role(i) == "trainer"])
+            self.pool = ElasticPool(JOB_ID, spec, names, self.leader, self.dispatcher,
+                                    lambda name: SimWorkerClient(self.engines[name], self.clock),
+                                    record=self._flip_event, names=names, clock=self.clock)
+            self.pool.start_roles(thread=False)
             self.feed = PlacementFeed(planner, self.dispatcher, self.pool)
         self.version = 0
         self.records: list[dict] = []
         # When each sample of the current step ended (virtual seconds): the step's tail.
         self._sample_ends: list[float] = []
+
+    def _flip_event(self, event: dict) -> None:
+        self.flip_events.append({"time_s": round(self.clock.now, 3), **event})
+        self.dispatcher.record(event)
+
+    def _take_events(self, engine: SimEngine) -> tuple[bool, bool]:
+        """The engine's events to the dispatcher: (any, a group among them ended)."""
+        events = engine.take_events()
+        if not events:
+            return False, False
+        self._sample_ends += [self.clock.now for ev in events
+                              if ev.sample_index >= 0 and not ev.error]
+        self.dispatcher.apply_events(events)
+        return True, any(e.sample_index < 0 for e in events)
 
     # --- the event loop ---------------------------------------------------------------
 
@@ -152,8 +181,19 @@ class Simulation:
         # batch released or a version published (a lease is the buffer's Lua script,
         # so it is tried again only then, not at every event).
         fresh_data = fresh_budget = True
+        regroup: tuple[list[str], float] = ([], 0.0)  # the membership being applied
         while len(self.records) < spec.trainer.num_steps:
             now = clock.now
+            if self.pool is not None and self.pool.step():
+                # A flip began or ended: routing changes, and an engine that handed
+                # its groups back has events to deliver.
+                dirty = True
+                for e in self.engines.values():
+                    _, put = self._take_events(e)
+                    fresh_data |= put
+                    fresh_budget |= put
+                if self.pool.error:
+                    raise RuntimeError(f"{self.mode} at {self.gpus} GPUs: {self.pool.error}")
             if dirty and self.dispatcher.budget_refused and not fresh_budget:
                 # Refused, and neither a release, an eviction nor a version since:
                 # the buffer would refuse again (the freed slots wait for budget).
@@ -185,6 +225,8 @@ class Simulation:
             elif state == "training" and now >= state_until:
                 self.replay.release(JOB_ID, lease.lease_id)
                 self.step += 1
+                if self.leader is not None:
+                    self.leader.step = self.step
                 dirty = fresh_data = fresh_budget = True
                 sync_wait_s = sync_s = 0.0
                 if self.step % spec.trainer.sync_interval == 0:
@@ -211,14 +253,17 @@ class Simulation:
                 sync_s = now - sync_started
                 state, dirty = "step_end", True
                 fresh_data = fresh_budget = True
-                # Roles move at sync boundaries (paper §5): the trainer pauses for a flip.
-                pause = self.pool.at_boundary(now) if self.pool is not None else 0.0
-                if pause > 0:
-                    state, state_until = "regrouping", now + pause
+                # Roles move at sync boundaries (paper §5): the leader applies the
+                # membership the pool asked for, the trainer pausing for it.
+                peers = self.leader.take_pending() if self.leader is not None else None
+                if peers is not None:
+                    grew = len(peers) > len(self.leader.peers)
+                    pause = self.costs.flip.to_trainer_s if grew else self.costs.flip.to_rollout_s
+                    state, state_until, regroup = "regrouping", now + pause, (peers, pause)
                 continue
             elif state == "regrouping" and now >= state_until:
-                self.trainer_gpus = self.gpus - len(self.pool.rollout_units) * per_engine
-                self.pool.admit()
+                self.leader.applied(*regroup)
+                self.trainer_gpus = (1 + len(regroup[0])) * per_engine
                 state, dirty = "step_end", True
                 continue
             elif state == "step_end":
@@ -242,16 +287,11 @@ class Simulation:
             for e in self.engines.values():
                 if e.next_time() <= clock.now:
                     e.advance_to(clock.now)
-                    events = e.take_events()
-                    if events:
-                        self._sample_ends += [clock.now for ev in events
-                                              if ev.sample_index >= 0 and not ev.error]
-                        self.dispatcher.apply_events(events)
-                        dirty = True
-                        put = any(e.sample_index < 0 for e in events)
-                        # A put may evict stale samples, which refunds budget.
-                        fresh_data |= put
-                        fresh_budget |= put
+                    any_events, put = self._take_events(e)
+                    dirty |= any_events
+                    # A put may evict stale samples, which refunds budget.
+                    fresh_data |= put
+                    fresh_budget |= put
         return self._summary(time.monotonic() - started)
 
     # --- records ----------------------------------------------------------------------
@@ -265,7 +305,13 @@ class Simulation:
                 for n, e in self.engines.items()}
 
     def _rollout_names(self) -> list[str]:
-        return self.pool.rollout_units if self.pool is not None else list(self.engines)
+        """The units on rollout: with an elastic pool, the workers in the rollout
+        role and out of the trainer's group (a unit flipping back to rollout leaves
+        the group at the sync boundary; one flipping to the trainer is in neither
+        from the end of its drain to the boundary)."""
+        if self.pool is None:
+            return list(self.engines)
+        return [n for n in self.pool.by_role()["rollout"] if n not in self.leader.peers]
 
     def _record(self, batch, step_s, wait_s, train_s, sync_s, sync_wait_s, before, after) -> None:
         trajs = batch.trajectories
@@ -302,8 +348,7 @@ class Simulation:
             "weight_sync_s": self.costs.sync.sync_s if sync_s else 0.0,
             **self._tail_share(self.clock.now - step_s),
             "rollout_workers": n, "trainer_gpus": self.trainer_gpus,
-            "trainer_workers": (self.pool.trainer_units if self.pool is not None
-                                else self.trainer_gpus // self.costs.gpus_per_engine),
+            "trainer_workers": self.trainer_gpus // self.costs.gpus_per_engine,
         }
         self.records.append(record)
 
@@ -348,7 +393,7 @@ class Simulation:
             / max(1, sum(v for r in measured for v in r["staleness_histogram"].values())),
             "preempted_requests": sum(e.preemptions for e in self.engines.values()),
             "cap_changes": snapshot["cap_changes"],
-            "role_flips": len(self.pool.flips) if self.pool is not None else 0,
+            "role_flips": sum(1 for e in self.flip_events if e["event"] == "role_flip"),
             "rollout_engines_final": len(self._rollout_names()),
             "rollout_engines_mean": mean("rollout_workers"),
             "admission_rejections": snapshot["admission_rejections"],

@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "every seed's runs and the spread over them")
     sim.add_argument("--out", required=True, help="the directory to write")
     sim.add_argument("overrides", nargs="*", metavar="section.field=value",
-                     help="overrides of the config's job (an ablation: replay.replay_cap=0)")
+                     help="overrides of the config's job (an ablation: replay.replay_cap=0), "
+                     "or of its own fields (samples_per_gpu=256, costs.train.utilisation=0.2)")
     sim.set_defaults(fn=cmd_sim)
 
     models = sub.add_parser("models", help="prepare model directories under the models root")

@@ -190,6 +190,15 @@ def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
     _wait(lambda: _all_idle(api), 90, "the pods released")
 
 
+def _worker_log_tails(cluster, lines: int = 15) -> str:
+    """The last lines of every worker's log: what a failed job's services said."""
+    out = []
+    for path in sorted(cluster["logs"].glob("worker-*.log")):
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path.name} ---\n" + "\n".join(text))
+    return "\n".join(out)
+
+
 def _recreate(cluster, name: str) -> None:
     """The StatefulSet controller's move after a pod is deleted: a new pod of the
     same name (new UID, restart count 0) at the same IP, its container started."""
@@ -243,7 +252,7 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
         _wait(lambda: (r := scheduler.get("victim")).restarts.get(name) == 1 or r.terminal,
               300, f"the {role} pod back in the job")
         job = scheduler.get("victim")
-        assert job.phase == "RUNNING", job.reason
+        assert job.phase == "RUNNING", (job.reason, _worker_log_tails(cluster))
         # Claimed again for this job, in its role; no other pod changed hands.
         assert _claimed(api) == pods
         assert _pod_labels(api, name)[ROLE_LABEL] == role

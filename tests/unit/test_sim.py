@@ -214,6 +214,20 @@ def test_a_bad_config_names_its_field(tmp_path):
     bad.write_text("job: {}\nstep: 3\n")
     with pytest.raises(ValueError, match="step"):
         load_config(bad)
+    # Overrides: the job's sections, or the sim config's own fields, validated once.
+    config = load_config(EXAMPLE, ["samples_per_gpu=256", "costs.train.utilisation=0.2",
+                                   "replay.max_staleness=2", "steps=30"])
+    assert (config.samples_per_gpu, config.costs.train.utilisation, config.steps) == (256, 0.2, 30)
+    assert config.job["replay"]["max_staleness"] == 2
+    assert config.costs.decode == load_config(EXAMPLE).costs.decode
+    with pytest.raises(ValueError, match="utilisation"):
+        load_config(EXAMPLE, ["costs.train.utilisation=2"])
+    with pytest.raises(ValueError, match="samples_per_gpu"):
+        load_config(EXAMPLE, ["samples_per_gpu=0"])
+    with pytest.raises(ValueError, match="warp"):
+        load_config(EXAMPLE, ["costs.train.warp=1"])
+    with pytest.raises(ValueError, match="not a section"):
+        load_config(EXAMPLE, ["steps.count=1"])
     with pytest.raises(SystemExit, match="--modes"):
         main(Namespace(config=str(EXAMPLE), gpus="4", modes="async", out=str(tmp_path)))
 

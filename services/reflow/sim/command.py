@@ -23,10 +23,30 @@ from reflow.sim.costs import SimConfig
 MODES = ("sync", "one_step_off", "fully_async", "reflow")
 
 
-def load_config(path: Path) -> SimConfig:
+def load_config(path: Path, overrides: list[str] | None = None) -> SimConfig:
+    """The config at `path` with `overrides`: `section.field=value` sets the job's
+    field (an ablation: `replay.replay_cap=0`); a key that starts with one of the
+    sim config's own fields sets that (`samples_per_gpu=256`,
+    `costs.train.utilisation=0.2`). Validated once, after every override."""
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a sim config is a mapping (job, costs, ...)")
+    job_overrides = []
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        parts = key.split(".")
+        if not sep or not all(parts) or parts[0] not in SimConfig.model_fields \
+                or parts[0] == "job":
+            job_overrides.append(item)  # apply_overrides names what is wrong with it
+            continue
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {key!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    if job_overrides:
+        data["job"] = apply_overrides(data.get("job") or {}, job_overrides)
     return SimConfig.model_validate(data)
 
 
@@ -130,11 +150,7 @@ def table(results: dict) -> str:
 
 
 def main(args) -> int:
-    config = load_config(Path(args.config))
-    overrides = getattr(args, "overrides", None) or []
-    if overrides:
-        job = apply_overrides(json.loads(json.dumps(config.job)), overrides)
-        config = config.model_copy(update={"job": job})
+    config = load_config(Path(args.config), getattr(args, "overrides", None))
     gpus = [int(g) for g in args.gpus.split(",") if g]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]

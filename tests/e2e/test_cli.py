@@ -96,6 +96,12 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     assert "num_steps: 4" in (out / "config.yaml").read_text()
 
 
+def _interruptible() -> None:
+    """The run's SIGINT as a terminal gives it: a suite started in the background
+    (`cmd &`, nohup) passes SIGINT on ignored, and Python keeps it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["cli", "process-group"])
 def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model, target):
@@ -106,25 +112,35 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model, target):
         [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
          "trainer.num_steps=10000", f"model.path={tiny_model}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_interruptible,
     )
     cli = psutil.Process(proc.pid)
-    deadline = time.monotonic() + 300
-    metrics = out / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "the job never started training"
-        time.sleep(0.5)
-    descendants = [p.pid for p in cli.children(recursive=True)]
-    assert len(descendants) >= 6  # redis, five services, vLLM's engine core
-    if target == "cli":
-        os.kill(proc.pid, signal.SIGINT)
-    else:
-        os.killpg(proc.pid, signal.SIGINT)
-    output = proc.communicate(timeout=120)[0]
-    assert "interrupted" in output
-    leftovers = [pid for pid in descendants if _alive(pid)]
-    assert not leftovers, [psutil.Process(p).cmdline() for p in leftovers]
+    descendants: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the job never started training"
+            time.sleep(0.5)
+        descendants = [p.pid for p in cli.children(recursive=True)]
+        assert len(descendants) >= 6  # redis, five services, vLLM's engine core
+        if target == "cli":
+            os.kill(proc.pid, signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+        assert "interrupted" in output
+        leftovers = [pid for pid in descendants if _alive(pid)]
+        assert not leftovers, [psutil.Process(p).cmdline() for p in leftovers]
+    finally:
+        # A failed run must not train on beside the rest of the suite.
+        for pid in [proc.pid, *descendants]:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phase"] == "STOPPED"
 

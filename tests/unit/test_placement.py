@@ -172,6 +172,39 @@ def test_no_feasible_split_holds():
     assert (decision.current.rollout_workers, decision.current.trainer_workers) == (3, 3)
 
 
+@pytest.mark.parametrize("windows, action, reason, rollout_capacity, pooled", [
+    # The last window alone: c_r = 40 / (10 · 4) = 1, coverage 1 against 0.5.
+    (1, "rebalance", "more_trainer", 1.0, 1),
+    # The three pooled: c_r = 60 / (30 · 4) = 0.5, coverage 0.5 on target.
+    (3, "hold", "already_best", 0.5, 3),
+    # At most W windows are kept: the last two, c_r = 50 / 80, coverage 0.625 (log 1.25 =
+    # 0.22) still nearer than (3, 5)'s 0.375 (log 4/3 = 0.29).
+    (2, "hold", "already_best", 50 / 80, 2),
+], ids=["one-window", "three-pooled", "two-of-three"])
+def test_capacities_are_pooled_over_the_last_windows(windows, action, reason,
+                                                     rollout_capacity, pooled):
+    planner = PlacementPlanner(policy(windows=windows), 8)
+    for step, produced in enumerate((10, 10, 40), start=1):
+        decision = planner.observe(window((4, 4), produced, 40, step=step))
+    assert (decision.action, decision.reason) == (action, reason)
+    assert decision.rollout_capacity == pytest.approx(rollout_capacity)
+    assert decision.trainer_capacity == pytest.approx(1.0)
+    assert decision.pooled_windows == decision.as_event()["pooled_windows"] == pooled
+
+
+def test_pooled_windows_weigh_busy_time_and_restart_at_a_new_split():
+    planner = PlacementPlanner(policy(windows=5), 8)
+    # Rollout blocked half of the first window: 20 + 40 busy worker-seconds for 50 samples.
+    planner.observe(window((4, 4), 10, 40, blocked=0.5, step=1))
+    decision = planner.observe(window((4, 4), 40, 40, step=2))
+    assert decision.rollout_capacity == pytest.approx(50 / 60)
+    # Blocked and idle corrections depend on the split, so a new split starts afresh.
+    decision = planner.observe(window((5, 3), 25, 30, step=3))
+    assert decision.pooled_windows == 1
+    assert decision.rollout_capacity == pytest.approx(25 / 50)
+    assert decision.trainer_capacity == pytest.approx(1.0)
+
+
 def test_ratios_within_float_noise_are_clamped():
     measurement = window((4, 4), 20, 40, blocked=-1e-9, idle=1 + 1e-9)
     assert (measurement.rollout_blocked_ratio, measurement.trainer_idle_ratio) == (0.0, 1.0)
@@ -213,6 +246,7 @@ def test_event_keeps_its_keys_when_nothing_was_scored():
     (lambda: policy(trainer_unit=0), "trainer_unit"),
     (lambda: policy(min_rollout=-1), "min_rollout"),
     (lambda: policy(min_trainer=-1), "min_trainer"),
+    (lambda: policy(windows=0), "windows"),
     (lambda: PlacementPlanner(policy(), 1), "total_workers"),
     (lambda: window((4, 4), 20, 40, window_s=0.0), "window_s"),
     (lambda: window((4, 4), 20, 40, window_s=-1.0), "window_s"),
@@ -229,7 +263,7 @@ def test_event_keeps_its_keys_when_nothing_was_scored():
     (lambda: PlacementPlanner(policy(), 8).applied(3, 5, 4), "rollout_workers + trainer_workers"),
 ], ids=["replay-cap-one", "replay-cap-negative", "replay-cap-nan", "cooldown-negative",
         "cooldown-float", "min-gain-negative", "rollout-unit-zero", "trainer-unit-zero",
-        "min-rollout-negative", "min-trainer-negative", "total-one", "window-zero",
+        "min-rollout-negative", "min-trainer-negative", "windows-zero", "total-one", "window-zero",
         "window-negative", "rollout-negative", "trainer-negative", "produced-negative",
         "consumed-negative", "blocked-1.5", "idle-minus-0.2", "step-negative",
         "split-over-pool", "applied-negative", "applied-over-pool"])

@@ -69,3 +69,16 @@ def test_placement_off_means_no_planner():
     assert planner(adaptive=False) is None
     spec = parse_job_spec({"model": {"path": "/m"}})
     assert planner_for(spec, total_workers=1) is None
+
+
+def test_the_job_spec_sets_how_many_windows_the_capacities_pool():
+    assert planner().policy.windows == 1  # the paper's one window, by default
+    assert planner(placement_windows=5).policy.windows == 5
+    recorder = Recorder()
+    # Steps of 8 then 56 fresh samples: the last alone is over target (56/64), the two
+    # pooled are on it ((8 + 56) / 2 / 64 = 0.5).
+    records = [step(1, 8), step(2, 56)]
+    PlacementFeed(planner(placement_windows=2, placement_cooldown_steps=0),
+                  recorder).observe(records)
+    assert recorder.events[-1]["pooled_windows"] == 2
+    assert records[1]["placement_predicted_coverage"] == 0.5

@@ -321,6 +321,12 @@ class SchedulerConfig(_Section):
         default=0.1, ge=0.0, le=100.0,
         description="Least improvement of |log(predicted coverage / (1 - σ))| worth a move.",
     )
+    placement_windows: int = Field(
+        default=1, ge=1, le=1000,
+        description="W: training steps at the current split whose production, consumption "
+        "and blocked/idle time the capacity estimates are summed over (1: the last step "
+        "only, as the paper's Algorithm 1).",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> SchedulerConfig:

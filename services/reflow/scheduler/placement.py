@@ -9,6 +9,10 @@ replayed). Once per window (one training step) the planner:
        trainer_capacity = consumed / (window_s · trainer_workers · (1 − trainer_idle_ratio))
    A trainer that waited for data is not a slow trainer, and a rollout worker held back by the
    dispatch budget, the staleness bound δ or a weight sync is not a slow producer.
+   With `windows` W > 1 the sums run over the last W windows at the current split (samples
+   over busy worker-seconds): with long-tailed response lengths one step's window can differ
+   from the next by 2×, and a decision on one of them moves the pool back and forth. A
+   window at another split starts the count again, since the corrections depend on the split.
 2. Extrapolates every feasible split (r, t) of the pool linearly:
        predicted_coverage = r · rollout_capacity / (t · trainer_capacity).
 3. Scores it against the target coverage 1 − σ (σ = `replay_cap`, the largest share of a
@@ -27,6 +31,8 @@ next window carries the new split. Standard library only.
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 # Ratios a little outside [0, 1] are float noise from summing times; clamp them.
@@ -72,6 +78,9 @@ class PlacementPolicy:
     """Never fewer rollout workers than this (at least one is always kept)."""
     min_trainer: int = 1
     """Never fewer trainer replicas than this (at least one is always kept)."""
+    windows: int = 1
+    """W >= 1: the capacities are estimated over the last W windows at the current split
+    (1: the paper's one window)."""
 
     def __post_init__(self) -> None:
         _check(_is_number(self.replay_cap) and 0 <= self.replay_cap < 1,
@@ -83,6 +92,8 @@ class PlacementPolicy:
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, "an integer >= 1", value)
         _check_counts(min_rollout=self.min_rollout, min_trainer=self.min_trainer)
+        _check(_is_int(self.windows) and self.windows >= 1, "windows", "an integer >= 1",
+               self.windows)
 
 
 @dataclass(frozen=True)
@@ -148,12 +159,15 @@ class PlacementDecision:
     target_coverage: float
     window: WindowMeasurement | None = None
     """The measurement decided on, so the event can be replayed offline."""
+    pooled_windows: int = 1
+    """How many windows at the current split the capacities were estimated over."""
 
     def as_event(self) -> dict:
         """Flat JSON-able dict of inputs and outputs; every key is always present (None when
         unknown) so metrics.jsonl keeps one schema."""
         event: dict = {"step": self.step, "action": self.action, "reason": self.reason,
                        "target_coverage": self.target_coverage,
+                       "pooled_windows": self.pooled_windows,
                        "rollout_capacity": self.rollout_capacity,
                        "trainer_capacity": self.trainer_capacity}
         for f in fields(WindowMeasurement):
@@ -167,12 +181,17 @@ class PlacementDecision:
         return event
 
 
-def _capacity(samples: float, window_s: float, workers: int,
-              unavailable_ratio: float) -> float | None:
-    """Samples/s of one worker over its busy time; None when the window cannot tell."""
-    if workers == 0 or samples <= 0 or unavailable_ratio >= _MAX_UNAVAILABLE_RATIO:
+def _capacity(windows: Sequence[WindowMeasurement], samples: str, workers: str,
+              unavailable_ratio: str) -> float | None:
+    """Samples/s of one worker over its busy time in `windows` (fields named by the
+    arguments); None when they cannot tell."""
+    total = sum(getattr(w, samples) for w in windows)
+    worker_s = sum(w.window_s * getattr(w, workers) for w in windows)
+    busy_s = sum(w.window_s * getattr(w, workers) * (1.0 - getattr(w, unavailable_ratio))
+                 for w in windows)
+    if worker_s <= 0 or total <= 0 or busy_s <= worker_s * (1.0 - _MAX_UNAVAILABLE_RATIO):
         return None
-    return samples / (window_s * workers * (1.0 - unavailable_ratio))
+    return total / busy_s
 
 
 class PlacementPlanner:
@@ -185,6 +204,7 @@ class PlacementPlanner:
         self.total_workers = total_workers
         self.last_rebalance_step: int | None = None
         self.applied_split: tuple[int, int] | None = None
+        self._recent: deque[WindowMeasurement] = deque(maxlen=policy.windows)
         p = policy
         self._splits = [(r, total_workers - r) for r in range(1, total_workers)
                         if r % p.rollout_unit == 0 and (total_workers - r) % p.trainer_unit == 0
@@ -206,15 +226,21 @@ class PlacementPlanner:
         current_split = (window.rollout_workers, window.trainer_workers)
         self._check_fits(*current_split)
         target = 1.0 - self.policy.replay_cap
-        rollout_capacity = _capacity(window.produced_samples, window.window_s,
-                                     window.rollout_workers, window.rollout_blocked_ratio)
-        trainer_capacity = _capacity(window.consumed_samples, window.window_s,
-                                     window.trainer_workers, window.trainer_idle_ratio)
+        if self._recent and (self._recent[-1].rollout_workers,
+                             self._recent[-1].trainer_workers) != current_split:
+            self._recent.clear()
+        self._recent.append(window)
+        rollout_capacity = _capacity(self._recent, "produced_samples", "rollout_workers",
+                                     "rollout_blocked_ratio")
+        trainer_capacity = _capacity(self._recent, "consumed_samples", "trainer_workers",
+                                     "trainer_idle_ratio")
+        pooled = len(self._recent)
 
         def decide(action: str, reason: str, current: Candidate | None = None,
                    chosen: Candidate | None = None) -> PlacementDecision:
             return PlacementDecision(window.step, action, reason, current, chosen,
-                                     rollout_capacity, trainer_capacity, target, window)
+                                     rollout_capacity, trainer_capacity, target, window,
+                                     pooled)
 
         if rollout_capacity is None or trainer_capacity is None:
             return decide("hold", "no_measurement")

@@ -32,7 +32,8 @@ def planner_for(spec: JobSpec, total_workers: int) -> PlacementPlanner | None:
         return None
     policy = PlacementPolicy(replay_cap=spec.replay.replay_cap,
                              cooldown_steps=spec.scheduler.placement_cooldown_steps,
-                             min_gain=spec.scheduler.placement_min_gain)
+                             min_gain=spec.scheduler.placement_min_gain,
+                             windows=spec.scheduler.placement_windows)
     return PlacementPlanner(policy, total_workers)
 
 

@@ -228,6 +228,14 @@ def test_a_bad_config_names_its_field(tmp_path):
         load_config(EXAMPLE, ["costs.train.warp=1"])
     with pytest.raises(ValueError, match="not a section"):
         load_config(EXAMPLE, ["steps.count=1"])
+    # YAML's tags that would build Python objects are refused, naming the override.
+    with pytest.raises(ValueError, match="override 'costs.train.utilisation'"):
+        load_config(EXAMPLE, ["costs.train.utilisation=!!python/object/apply:os.getpid []"])
+    with pytest.raises(ValueError, match="override 'replay.replay_cap'"):
+        load_config(EXAMPLE, ["replay.replay_cap=!!python/object/apply:os.getpid []"])
+    bad.write_text("job: !!python/name:os.system\n")
+    with pytest.raises(ValueError, match="not YAML"):
+        load_config(bad)
     with pytest.raises(SystemExit, match="--modes"):
         main(Namespace(config=str(EXAMPLE), gpus="4", modes="async", out=str(tmp_path)))
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from reflow.core import plugins
+from reflow.core.algorithm_config import AlgorithmConfig
 from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part of the spec
 from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
 from reflow.core.task_config import EvalConfig, TaskConfig
@@ -401,6 +402,7 @@ class JobSpec(_Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -558,7 +560,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise JobSpecError(f"override {key!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _coerce_scalar(raw)
+        try:
+            node[parts[-1]] = _coerce_scalar(raw)
+        except yaml.YAMLError as err:
+            raise JobSpecError(f"override {key!r}: its value is not a YAML scalar, list or "
+                               f"mapping: {err}") from None
     return data
 
 

@@ -1,4 +1,5 @@
-"""The plug-in registry: samplers, replay filters and tasks, by registered name.
+"""The plug-in registry: samplers, replay filters, tasks, policy losses and
+advantage estimators, by registered name.
 
 A job spec arrives from the network, so it may only *name* a plug-in; it never
 says where code lives. The names a spec may use are:
@@ -47,6 +48,9 @@ KINDS: dict[str, Kind] = {
     "replay_filter": Kind("replay_filter", "reflow.replay_filters", ("keep",)),
     # A task also has `reward` (single-turn) or `environment` (multi-turn): reflow.tasks.
     "task": Kind("task", "reflow.tasks", ("prompts", "eval_prompts")),
+    # reflow.algorithms: a policy loss scores tokens; an advantage estimator a group.
+    "policy_loss": Kind("policy_loss", "reflow.policy_losses", ("token_terms",)),
+    "advantage": Kind("advantage", "reflow.advantages", ("compute",)),
 }
 
 # Built-ins, as fixed references into this package (never taken from a spec).
@@ -67,6 +71,19 @@ BUILTINS: dict[str, dict[str, str]] = {
         "reasoning_gym": "reflow.tasks.gym:ReasoningGymTask",
         "guess_number": "reflow.tasks.games:GuessNumberTask",
         "calculator": "reflow.tasks.calculator:CalculatorTask",
+    },
+    "policy_loss": {
+        "grpo": "reflow.algorithms.losses:GRPOLoss",
+        "dapo": "reflow.algorithms.losses:DAPOLoss",
+        "dr_grpo": "reflow.algorithms.losses:DrGRPOLoss",
+        "gspo": "reflow.algorithms.losses:GSPOLoss",
+        "cispo": "reflow.algorithms.losses:CISPOLoss",
+    },
+    "advantage": {
+        "grpo": "reflow.algorithms.advantages:GroupNormalised",
+        "grpo_sample_std": "reflow.algorithms.advantages:GroupNormalisedSampleStd",
+        "mean_centered": "reflow.algorithms.advantages:MeanCentered",
+        "rloo": "reflow.algorithms.advantages:LeaveOneOut",
     },
 }
 

@@ -28,25 +28,21 @@ def load_config(path: Path, overrides: list[str] | None = None) -> SimConfig:
     field (an ablation: `replay.replay_cap=0`); a key that starts with one of the
     sim config's own fields sets that (`samples_per_gpu=256`,
     `costs.train.utilisation=0.2`). Validated once, after every override."""
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not YAML a sim config can be read from: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a sim config is a mapping (job, costs, ...)")
-    job_overrides = []
+    own, job = [], []
     for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        parts = key.split(".")
-        if not sep or not all(parts) or parts[0] not in SimConfig.model_fields \
-                or parts[0] == "job":
-            job_overrides.append(item)  # apply_overrides names what is wrong with it
-            continue
-        node = data
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {key!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
-    if job_overrides:
-        data["job"] = apply_overrides(data.get("job") or {}, job_overrides)
+        # The sim config's own fields by their first part; the rest (and what is
+        # malformed, which apply_overrides names) go to the job.
+        head = item.partition("=")[0].split(".")[0]
+        (own if head in SimConfig.model_fields and head != "job" else job).append(item)
+    apply_overrides(data, own)
+    if job:
+        data["job"] = apply_overrides(data.get("job") or {}, job)
     return SimConfig.model_validate(data)
 
 

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, model_validator
 from reflow.core import plugins
 from reflow.core.algorithm_config import AlgorithmConfig
 from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part of the spec
+from reflow.core.rollout_config import LengthStage, RolloutConfig  # noqa: F401 - part of the spec
 from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
 from reflow.core.task_config import EvalConfig, TaskConfig
 from reflow.core.trainer_config import TrainerConfig
@@ -49,114 +50,6 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Parameter dtype for the trainer and the rollout engine."
     )
-
-
-class LengthStage(_Section):
-    """One stage of a response-length curriculum (as DeepScaleR grows its context
-    8k -> 16k -> 24k): from a policy version on, responses are generated with
-    these bounds."""
-
-    from_version: int = Field(ge=1, le=100_000_000,
-                              description="First policy version the bounds apply to.")
-    max_tokens: int = Field(ge=1, le=131072, description="Response length limit.")
-    min_tokens: int = Field(default=0, ge=0, le=131072,
-                            description="Responses are at least this long (end-of-sequence "
-                            "suppressed before).")
-
-
-class RolloutConfig(_Section):
-    """Generation settings (paper §4.1 step 2)."""
-
-    group_size: int = Field(
-        default=8, ge=1, le=256,
-        description="Samples per prompt (a GRPO group, n). At least 2: the advantage is a "
-        "reward minus its group's mean, so a group of one always has advantage 0 and trains "
-        "nothing."
-    )
-    # The ceilings of this and the fields below are the operator's (core/limits.py),
-    # checked where a job is submitted, so that a refusal names the one that applies.
-    max_tokens: int = Field(default=64, ge=1, description="Response length limit.")
-    temperature: float = Field(default=1.0, gt=0.0, le=4.0, description="Sampling temperature.")
-    max_inflight_samples: int | None = Field(
-        default=64,
-        ge=1,
-        description="Concurrency cap: most samples generating at once on a rollout worker; "
-        "with scheduler.concurrency_control, where the adaptive cap starts. None: as many as "
-        "the dispatch budget lets out (B_max x (1 + look-ahead) x sync_interval), as verl's "
-        "fully_async rollouter sets `max_concurrent_samples` and its synchronous and "
-        "one-step-off trainers hand vLLM the whole batch.",
-    )
-    max_samples_per_step: int | None = Field(
-        default=None,
-        ge=1,
-        description="B_max: most samples dispatched to rollout per training step (paper §4.1 "
-        "step 1). None: trainer.batch_size.",
-    )
-    kv_cache_gb: float = Field(
-        default=1.0, gt=0.0, description="KV cache size for the vLLM engine (CPU)."
-    )
-    gpu_memory_utilization: float | None = Field(
-        default=None, gt=0.0, le=0.98,
-        description="vLLM's share of each GPU (its weights and KV cache). None: vLLM's "
-        "default (0.9) where the engine has its GPU alone; on an elastic pool's worker, all "
-        "that the warm trainer half (weights, gradients, AdamW) and 5 % headroom leave "
-        "(rollout/memory.py). Set, it is checked against the trainer half at start.")
-    sleep_mode: Literal["auto", "off"] = Field(
-        default="auto",
-        description="`auto`: an elastic pool's GPU engine sleeps while its worker holds the "
-        "trainer role (vLLM sleep level 1: KV cache dropped, weights to host memory, woken "
-        "for each weight update), so the trainer's activations get the KV cache's memory. "
-        "On CPU the standby engine drops its KV cache's pages instead. `off`: it keeps its "
-        "memory.")
-    engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
-    length_schedule: list[LengthStage] = Field(
-        default_factory=list, max_length=1000,
-        description="A response-length curriculum: bounds by policy version (stages in "
-        "version order; before the first, max_tokens and no minimum).")
-    tensor_parallel_size: int = Field(
-        default=1, ge=1, le=64,
-        description="Tensor-parallel workers per rollout engine; each joins the weight-sync "
-        "group with a rank of its own. On CPU set VLLM_CPU_OMP_THREADS_BIND to one core "
-        "list per worker, separated by '|'.")
-    partial_rollout: bool = Field(
-        default=True,
-        description="On a weight update, in-flight samples pause at a token boundary and go "
-        "on under the new version (paper §4.1 step 4; verl fully_async "
-        "`async_training.partial_rollout`). False: the update waits until every sample in "
-        "flight has finished, so each sample is generated under one version (verl "
-        "one_step_off).",
-    )
-
-
-    @model_validator(mode="after")
-    def _check_length_schedule(self) -> RolloutConfig:
-        if self.group_size == 1:
-            raise ValueError("rollout.group_size: 1 trains nothing: a GRPO advantage is the "
-                             "reward minus its group's mean, which for a group of one is always "
-                             "0; use 2 or more samples per prompt")
-        last = 0
-        for i, stage in enumerate(self.length_schedule):
-            if stage.from_version <= last:
-                raise ValueError(f"rollout.length_schedule[{i}].from_version: stages must be in "
-                                 "increasing version order")
-            if stage.min_tokens > stage.max_tokens:
-                raise ValueError(f"rollout.length_schedule[{i}].min_tokens must not exceed its "
-                                 "max_tokens")
-            last = stage.from_version
-        return self
-
-    def response_bounds(self, policy_version: int) -> tuple[int, int]:
-        """(min_tokens, max_tokens) of responses generated under `policy_version`."""
-        bounds = (0, self.max_tokens)
-        for stage in self.length_schedule:
-            if policy_version >= stage.from_version:
-                bounds = (stage.min_tokens, stage.max_tokens)
-        return bounds
-
-    @property
-    def longest_response(self) -> int:
-        """The longest response any stage allows."""
-        return max([self.max_tokens, *(s.max_tokens for s in self.length_schedule)])
 
 
 class ReplayConfig(_Section):
@@ -462,6 +355,19 @@ class JobSpec(_Section):
         """Whether the job's trainer membership may change by role flips."""
         return self.cluster.workers is not None and bool(
             self.cluster.flips or self.scheduler.enabled("placement"))
+
+    @model_validator(mode="after")
+    def _check_minibatches(self) -> JobSpec:
+        num = self.trainer.num_minibatches
+        if self.trainer.batch_size % num:
+            raise ValueError(f"trainer.num_minibatches ({num}) must divide trainer.batch_size "
+                             f"({self.trainer.batch_size}): minibatches are of equal size")
+        if self.algorithm.proximal == "interpolate" and num == 1:
+            raise ValueError("algorithm.proximal: interpolate approximates the policy before a "
+                             "batch's first update, which with trainer.num_minibatches 1 is the "
+                             "step's own forward; use recompute (it costs no extra pass), or "
+                             "set trainer.num_minibatches above 1")
+        return self
 
     @model_validator(mode="after")
     def _check_groups_fit(self) -> JobSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from reflow.core.sections import _Section
 
@@ -19,11 +19,36 @@ class TrainerConfig(_Section):
     num_steps: int = Field(default=100, ge=1,
                            description="Training steps before the job ends (at most the "
                            "operator's REFLOW_MAX_NUM_STEPS).")
-    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW learning rate.")
+    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0,
+                                 description="AdamW learning rate: the peak of `lr_schedule`.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="The learning rate over the steps after the warm-up: `constant`, or "
+        "decayed over the rest of trainer.num_steps to `min_lr_ratio` x learning_rate, "
+        "`linear`ly or along a half `cosine` (Hugging Face's schedulers of those names, "
+        "trainer/schedule.py). Taken from the step number alone, so a resumed trainer and "
+        "a replica joining the group by a role flip go on where the schedule stands.")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Steps of a linear warm-up from 0 to learning_rate before the schedule "
+        "(as Hugging Face's get_linear_schedule_with_warmup: step k, counted from 0, trains "
+        "at k / warmup_steps x learning_rate, so the first step of a warm-up trains at 0). "
+        "At most trainer.num_steps.")
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="The floor a `linear` or `cosine` schedule decays to, as a share of "
+        "learning_rate (Hugging Face's `min_lr_rate`); 0 decays to 0.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     clip_eps: float = Field(
-        default=0.2, gt=0.0, le=10.0, description="PPO clip range ε for the importance ratio."
-    )
+        default=0.2, gt=0.0, le=10.0,
+        description="PPO clip range ε of the ratio: its lower side, 1 - ε, and its upper "
+        "side too unless algorithm.clip_eps_high (or the loss's default) sets it.")
+    num_minibatches: int = Field(
+        default=1, ge=1, le=1024,
+        description="Optimizer steps per batch: the batch is cut into this many equal "
+        "contiguous minibatches, each one step (verl's ppo_mini_batch_size, as a count). "
+        "Past the first, the trainer's policy has moved from the one that scored the batch, "
+        "which algorithm.proximal corrects for. trainer.batch_size must divide by it.")
     max_grad_norm: float = Field(default=1.0, gt=0.0, le=1e6, description="Gradient clipping norm.")
     max_tokens_per_micro_batch: int | None = Field(
         default=2048, ge=1, le=16_777_216,
@@ -94,3 +119,15 @@ class TrainerConfig(_Section):
         default=600.0, gt=0.0, le=86_400.0,
         description="Longest wait for a batch before the job fails."
     )
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainerConfig:
+        if self.warmup_steps > self.num_steps:
+            raise ValueError(f"trainer.warmup_steps: {self.warmup_steps} is longer than the run "
+                             f"(trainer.num_steps {self.num_steps}); the learning rate would "
+                             "never reach trainer.learning_rate. Use at most num_steps.")
+        if self.lr_schedule == "constant" and self.min_lr_ratio > 0.0:
+            raise ValueError(f"trainer.min_lr_ratio: {self.min_lr_ratio:g} is the floor of a "
+                             "decaying schedule, and trainer.lr_schedule is constant; set "
+                             "lr_schedule to linear or cosine, or leave min_lr_ratio out.")
+        return self

@@ -64,13 +64,15 @@ class PolicyScorer(torch.nn.Module):
         self.module = model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                temperature: float = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
+                temperature: float = 1.0, chunk_tokens: int | None = None,
+                with_entropy: bool = False):
         from reflow.trainer.step import sequence_logprobs
 
         # A copy, not the view the chunked path returns: FSDP's pre-backward hook
         # sits on the output, and an in-place op on a view would lose it.
-        return sequence_logprobs(self.module, input_ids, attention_mask, temperature,
-                                 chunk_tokens).clone()
+        out = sequence_logprobs(self.module, input_ids, attention_mask, temperature,
+                                chunk_tokens, with_entropy)
+        return (out[0].clone(), out[1]) if with_entropy else out.clone()
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,11 +1,9 @@
-"""Policy-gradient losses.
-
-Token-level GRPO (the DAPO form): every loss token of the batch counts once,
-so long responses are not down-weighted against short ones. The importance
-ratio is taken against the behaviour logprobs each trajectory carries, which
-is what makes stale samples usable (paper §4.1 step 3). An optional KL
-penalty pulls the policy towards a frozen reference model (the k3 estimator,
-as verl's `low_var_kl`).
+"""The trainer's loss around a policy-loss plug-in (reflow.algorithms.losses):
+replay weights (τ, paper §4.1 step 3), importance weights, aggregation over
+the whole step's batch, an optional KL penalty towards a frozen reference
+model (the k3 estimator, as verl's `low_var_kl`); and token log-probabilities.
+`grpo_token_loss` is the original loss (token-level GRPO against the
+behaviour log-probs) in one call.
 
 Token log-probabilities come either from full logits (`token_logprobs`) or
 from the last hidden states a chunk of positions at a time
@@ -15,10 +13,13 @@ logits; this module does not know how a model produces either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from reflow.algorithms.losses import (Aggregation, ClipRange, Denominators, GRPOLoss, PolicyLoss,
+                                      aggregate)
 
 # exp() of a larger reference-minus-policy log-ratio overflows float32's useful
 # range; verl clamps at the same bound. Only tokens the reference finds ~e^20
@@ -29,11 +30,14 @@ MAX_KL_LOG_RATIO = 20.0
 @dataclass
 class LossStats:
     loss: float
+    # Loss tokens whose gradient the clip zeroed (verl's pg_clipfrac, TRL's clip_ratio).
     clip_fraction: float
     approx_kl: float
     ratio_mean: float
     # k3 KL to the reference model per loss token (0 without one).
     kl: float = 0.0
+    # The step's off-policy figures, whole batch and per slice (algorithms/correction.py).
+    offpolicy: dict[str, float] = field(default_factory=dict)
 
 
 def reference_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
@@ -47,6 +51,34 @@ def reference_kl(new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     return (torch.exp(log_ratio) - log_ratio - 1.0) * mask
 
 
+def policy_loss(loss: PolicyLoss, new_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor, clip: ClipRange,
+                aggregation: Aggregation, denominators: Denominators,
+                token_weights: torch.Tensor | None = None,
+                sample_weights: torch.Tensor | None = None,
+                ref_logprobs: torch.Tensor | None = None,
+                kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's share of the step's loss, and the tokens the clip zeroed.
+
+    loss = agg_i,t( w_i · c_it · ℓ_it ) + β · agg_i,t( k3_it ),
+    ℓ the loss plug-in's token terms against π_prox, w_i the replay weights
+    (τ, normalised, paper §4.1), c_it the importance weights (correction.py),
+    k3 the KL to the frozen reference when β = trainer.kl_coef > 0. The KL
+    term is not weighted: it regularises the current policy wherever it is
+    evaluated, whatever the sample's provenance."""
+    mask = mask.to(new_logprobs.dtype)
+    terms, zeroed = loss.token_terms(new_logprobs, proximal_logprobs, advantages, mask, clip)
+    if token_weights is not None:
+        terms = terms * token_weights
+    if sample_weights is not None:
+        terms = terms * sample_weights.unsqueeze(-1)
+    total = aggregate(terms, mask, aggregation, denominators)
+    if ref_logprobs is not None and kl_coef > 0.0:
+        kl = reference_kl(new_logprobs, ref_logprobs, mask)
+        total = total + kl_coef * aggregate(kl, mask, aggregation, denominators)
+    return total, zeroed
+
+
 def grpo_token_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -58,48 +90,35 @@ def grpo_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Clipped-ratio policy loss averaged over loss tokens.
-
-    Shapes: logprobs and mask are [batch, tokens]; advantages and
-    sample_weights are [batch]. `sample_weights` scale each sample's tokens
-    (1 when omitted). For a micro-batch of a larger step, `num_batch_tokens` is
-    the whole step's loss-token count, so the micro-batches' losses (and their
-    gradients) sum to the step's; the stats stay per micro-batch token.
+    """The `grpo` loss against the behaviour log-probs, token-mean aggregation:
 
     loss = -Σ_i Σ_t w_i m_it min(ρ_it A_i, clip(ρ_it, 1-ε, 1+ε) A_i) / Σ_i Σ_t m_it,
-    ρ_it = exp(new_it - old_it).
+    ρ_it = exp(new_it - old_it); plus β Σ m k3 / (the same count) with a reference.
 
-    With `ref_logprobs` and `kl_coef` β > 0 the loss gains
-    β Σ_i Σ_t m_it k3_it / (the same token count), k3 from `reference_kl`. The
-    KL term is not scaled by `sample_weights`: it regularises the current policy
-    wherever it is evaluated, whatever the sample's provenance, and the weights
-    are normalised to keep the token scale anyway.
-    """
+    For a micro-batch of a larger step, `num_batch_tokens` is the whole step's
+    loss-token count, so the micro-batches' losses (and their gradients) sum to
+    the step's; the stats stay per micro-batch token."""
     mask = mask.to(new_logprobs.dtype)
-    log_ratio = (new_logprobs - old_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    if sample_weights is not None:
-        per_token = per_token * sample_weights.unsqueeze(-1)
-    num_tokens = mask.sum().clamp(min=1.0)
-    denom = num_tokens if num_batch_tokens is None else max(float(num_batch_tokens), 1.0)
-    loss = (per_token * mask).sum() / denom
-    kl = None
-    if ref_logprobs is not None and kl_coef > 0.0:
-        kl = reference_kl(new_logprobs, ref_logprobs, mask)
-        loss = loss + kl_coef * kl.sum() / denom
+    num_tokens = float(mask.sum().clamp(min=1.0))
+    denominators = Denominators(
+        tokens=num_tokens if num_batch_tokens is None else float(num_batch_tokens),
+        sequences=1.0, constant=1.0)
+    loss, zeroed = policy_loss(GRPOLoss(), new_logprobs, old_logprobs, advantages, mask,
+                               ClipRange(clip_eps, clip_eps), "token_mean", denominators,
+                               sample_weights=sample_weights, ref_logprobs=ref_logprobs,
+                               kl_coef=kl_coef)
     with torch.no_grad():
-        was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
+        log_ratio = (new_logprobs - old_logprobs) * mask
+        ratio = torch.exp(log_ratio)
+        kl = (reference_kl(new_logprobs, ref_logprobs, mask).sum() / num_tokens
+              if ref_logprobs is not None and kl_coef > 0.0 else 0.0)
         stats = LossStats(
             loss=float(loss.detach()),
-            clip_fraction=float(was_clipped.sum() / num_tokens),
+            clip_fraction=float((zeroed * mask).sum() / num_tokens),
             # k3 estimator of KL(behaviour || current), per token.
             approx_kl=float((((ratio - 1.0) - log_ratio) * mask).sum() / num_tokens),
             ratio_mean=float((ratio * mask).sum() / num_tokens),
-            kl=float(kl.sum() / num_tokens) if kl is not None else 0.0,
+            kl=float(kl),
         )
     return loss, stats
 
@@ -135,18 +154,28 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy per position, H = logsumexp(z) - Σ softmax(z) z, without
+    autograd: a metric (how far sampling is from collapsing), not a loss term."""
+    with torch.no_grad():
+        logits = logits.detach().float()
+        return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                    temperature: float) -> torch.Tensor:
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     # Divided before the cast, as the full-logits path does: the same numbers.
     logits = (head(hidden) / temperature).float()
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return picked - torch.logsumexp(logits, dim=-1), token_entropy(logits)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                           temperature: float = 1.0, chunk_tokens: int = 1024) -> torch.Tensor:
+                           temperature: float = 1.0, chunk_tokens: int = 1024,
+                           with_entropy: bool = False):
     """log softmax(head(hidden) / temperature)[target] per position, `chunk_tokens`
-    positions at a time.
+    positions at a time (and with `with_entropy`, the entropy of that softmax per
+    position, detached: a (logprobs, entropy) pair).
 
     Shapes: hidden [B, T, H], targets [B, T] -> [B, T] float32. With autograd on,
     each chunk runs under a non-reentrant checkpoint, so the backward pass keeps
@@ -161,15 +190,18 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: to
     flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
     flat_targets = targets.reshape(batch * length)
     keep_graph = torch.is_grad_enabled()
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, batch * length, chunk_tokens):
         h = flat_hidden[start:start + chunk_tokens]
         t = flat_targets[start:start + chunk_tokens]
         if keep_graph:
-            pieces.append(checkpoint(_chunk_logprobs, h, t, head, temperature,
-                                     use_reentrant=False))
+            logp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False)
         else:
-            pieces.append(_chunk_logprobs(h, t, head, temperature))
+            logp, ent = _chunk_logprobs(h, t, head, temperature)
+        pieces.append(logp)
+        entropies.append(ent)
     if not pieces:
-        return hidden.new_zeros((batch, length), dtype=torch.float32)
-    return torch.cat(pieces).view(batch, length)
+        empty = hidden.new_zeros((batch, length), dtype=torch.float32)
+        return (empty, empty.clone()) if with_entropy else empty
+    logprobs = torch.cat(pieces).view(batch, length)
+    return (logprobs, torch.cat(entropies).view(batch, length)) if with_entropy else logprobs

@@ -16,10 +16,13 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
              wall_s: float) -> dict[str, Any]:
     loss_stats, grad_norm = stats
     (rollout_idle_s, occupancy_s, generated_tokens, finished_samples, busy_s, decode_steps,
-     active) = rollout_delta
+     filtered_groups, active) = rollout_delta
     trajs = batch.trajectories
     scored = [t for t in trajs if not t.reward_error]
     trained_tokens = sum(t.num_tokens for t in trajs)
+    # Tokens of samples trained for the first time: replay trains some tokens
+    # again, so this is the rate new rollouts turn into training.
+    first_use_tokens = sum(t.num_tokens for t in trajs if t.uses == 0)
     # Staleness against the version the batch was leased (and trained) under,
     # from each sample's oldest segment: the policy lag the loss corrects for.
     staleness = [batch.policy_version - t.oldest_version for t in trajs]
@@ -49,6 +52,10 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "trained_tokens": trained_tokens,
         "step_time_s": step_s,
         "trainer_tokens_per_s": trained_tokens / step_s if step_s > 0 else 0.0,
+        "first_use_tokens": first_use_tokens,
+        "first_use_tokens_per_s": first_use_tokens / step_s if step_s > 0 else 0.0,
+        # The rate the step trained at (trainer.lr_schedule, trainer/schedule.py).
+        "learning_rate": loop.learning_rate,
         # Waiting for a batch, and for the rollout workers to pause for a weight
         # update: the trainer computes nothing in either.
         "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s > 0 else 0.0,
@@ -66,6 +73,8 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "generated_tokens": int(generated_tokens),
         # Samples the engines finished during this step: production, for placement.
         "generated_samples": int(finished_samples),
+        # Groups dynamic sampling dropped during this step (algorithm.dynamic_sampling).
+        "filtered_groups": int(filtered_groups),
         "rollout_workers": num_workers,
         # The trainer group this step ran on (paper §5's elastic pool).
         "trainer_workers": loop.group_size,
@@ -103,8 +112,13 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "filter_dropped_samples_total": buffer.dropped_total,
         "outstanding_leases": buffer.outstanding_leases,
         "loss": loss_stats.loss,
+        # Loss tokens whose gradient the clip zeroed, and k3 KL(behaviour || trainer).
         "clip_fraction": loss_stats.clip_fraction,
         "approx_kl": loss_stats.approx_kl,
+        # Off-policy figures (algorithms/correction.py): mismatch_kl, importance_ess,
+        # masked_fraction, entropy, loss_tokens, each also per slice (fresh_, stale_,
+        # replayed_) where the batch has that slice.
+        **loss_stats.offpolicy,
         # k3 KL to the frozen reference per loss token (0 with trainer.kl_coef 0),
         # and the memory that reference holds.
         "kl": loss_stats.kl,

@@ -25,6 +25,7 @@ from reflow.core.errors import FailedPrecondition
 from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.trainer.handoff import materialise_optimizer_state
 from reflow.trainer.loop import TrainLoop
+from reflow.trainer.schedule import set_learning_rate
 from reflow.trainer.step import compute_step
 
 logger = logging.getLogger(__name__)
@@ -110,9 +111,13 @@ class TrainerReplica:
             while not self._stop.is_set():
                 op, step, trajectories, arg = group.receive_command()
                 if op == "train":
+                    # The leader's rate for this step, from its number (schedule.py).
+                    loop.learning_rate = set_learning_rate(loop.optimizer, loop.spec.trainer,
+                                                           step)
                     # loop.load() built the same frozen reference as the leader's.
                     compute_step(loop.trained, loop.optimizer, loop.spec, trajectories,
-                                 loop.pad_id, loop.device, group, reference=loop.reference)
+                                 loop.pad_id, loop.device, group, reference=loop.reference,
+                                 step=step)
                     self.step = step
                     self.steps_trained += 1
                 elif op in SHARDED_OPS and loop.root is not None:

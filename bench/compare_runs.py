@@ -34,6 +34,11 @@ def stats(run_dir: Path) -> dict:
         "evicted_samples": records[-1].get("evicted_samples_total", 0),
         "trainer_tokens_per_s": sum(r["trained_tokens"] for r in records)
         / sum(r["step_time_s"] for r in records),
+        # Tokens of samples trained for the first time (replay trains some again);
+        # None for runs recorded before it was measured.
+        "first_use_tokens_per_s": sum(r["first_use_tokens"] for r in records)
+        / sum(r["step_time_s"] for r in records)
+        if all("first_use_tokens" in r for r in records) else None,
     }
 
 
@@ -44,11 +49,13 @@ def main() -> int:
     args = parser.parse_args()
     rows = [stats(r) for r in args.runs]
     print(f"{'run':<40}{'first10':>8}{'last10':>8}{'last50':>8}{'all':>8}{'replay':>8}"
-          f"{'evicted':>9}{'tok/s':>8}")
+          f"{'evicted':>9}{'tok/s':>8}{'first-use tok/s':>16}")
     for r in rows:
+        first = r["first_use_tokens_per_s"]
         print(f"{Path(r['run']).name:<40}{r['reward_first10']:>8.3f}{r['reward_last10']:>8.3f}"
               f"{r['reward_last50']:>8.3f}{r['reward_all_steps']:>8.3f}{r['replay_fraction']:>8.2f}"
-              f"{r['evicted_samples']:>9}{r['trainer_tokens_per_s']:>8.0f}")
+              f"{r['evicted_samples']:>9}{r['trainer_tokens_per_s']:>8.0f}"
+              f"{'-' if first is None else f'{first:.0f}':>16}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

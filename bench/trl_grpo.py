@@ -14,16 +14,33 @@ TRL's own parameter names:
     trainer.batch_size              per_device_train_batch_size (completions per step;
                                     gradient_accumulation_steps = steps_per_generation = 1)
     trainer.num_steps               max_steps
-    trainer.learning_rate           learning_rate (lr_scheduler_type "constant", no warm-up)
+    trainer.learning_rate           learning_rate
+    trainer.lr_schedule, warmup_steps, min_lr_ratio
+                                    lr_scheduler_type constant_with_warmup / linear /
+                                    cosine (cosine_with_min_lr with a floor),
+                                    warmup_steps (`schedule_options`)
     trainer.weight_decay            weight_decay
     trainer.max_grad_norm           max_grad_norm
     trainer.clip_eps                epsilon
     rollout.max_tokens              max_completion_length
-    rollout.temperature             temperature (top_p 1, top_k off)
-    (no KL term)                    beta = 0
-    token-level loss                loss_type "dapo" (sum over tokens / tokens in the batch)
-    group-normalised advantage      scale_rewards "group"
+    rollout.temperature, top_p, top_k
+                                    temperature, top_p, top_k (0: off in both)
+    trainer.kl_coef (β, k3)         beta (use_bias_correction_kl off: ReFlow's KL term
+                                    is not weighted by the ratio)
+    algorithm.loss / loss_aggregation / clip_eps_high / advantage / overlong:
+                                    loss_type, importance_sampling_level, epsilon_high,
+                                    scale_rewards, mask_truncated_completions
+                                    (`loss_options` below; a setting TRL has no
+                                    counterpart for is refused, not dropped)
     seed                            seed; prompts in the task's seeded order (no shuffle)
+
+Every loss option of GRPOConfig is set here, defaults included, so a TRL upgrade that
+changes a default cannot change the comparison; the extras TRL has and ReFlow does not
+(two-sided clip `delta`, entropy masking and bonus, off-policy masking, vLLM's
+importance-sampling correction) are pinned off. `algorithm.proximal` and
+`algorithm.importance_mode` need no counterpart: TRL generates with the very weights
+it trains (Hugging Face `generate`, num_iterations 1), so the behaviour, proximal and
+current policies coincide and every importance weight is 1.
 
 One optimizer step per generated batch (num_iterations 1), as ReFlow's trainer takes
 one step per batch. Generation is TRL's own (Hugging Face `generate`, no vLLM), on
@@ -50,6 +67,92 @@ REPO = Path(__file__).resolve().parents[1]
 # The ReFlow spec, task and model builder: pure Python over pydantic and yaml, which
 # this environment has; nothing of ReFlow's services is imported.
 sys.path.insert(0, str(REPO / "services"))
+
+
+# ReFlow's aggregation of token losses -> TRL's loss_type of the same normalisation.
+LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo",
+              "seq_mean_token_sum_norm": "dr_grpo"}
+# ReFlow's built-in losses TRL can run: (default aggregation, default ε_high or None for
+# trainer.clip_eps, where the ratio is taken). gspo's sequence ratio is the geometric
+# mean of its tokens' ratios in both.
+LOSSES = {"grpo": ("token_mean", None, "token"), "dapo": ("token_mean", 0.28, "token"),
+          "dr_grpo": ("seq_mean_token_sum_norm", None, "token"),
+          "gspo": ("seq_mean_token_mean", None, "sequence")}
+# ReFlow's advantage estimators -> scale_rewards. `grpo` divides by the group's
+# population std and TRL by its sample std (the difference the docstring names).
+SCALE_REWARDS = {"grpo": "group", "grpo_sample_std": "group", "mean_centered": "none"}
+
+
+def loss_options(spec) -> dict:
+    """GRPOConfig's loss options for the spec's trainer and algorithm sections, every
+    one of them explicit. SystemExit names a setting TRL cannot run."""
+    algo = spec.algorithm
+
+    def refuse(field: str, value, allowed) -> SystemExit:
+        return SystemExit(f"trl_grpo: {field}={value!r} has no TRL counterpart here "
+                          f"(supported: {allowed})")
+
+    if algo.loss not in LOSSES or algo.loss_args:
+        raise refuse("algorithm.loss", algo.loss, f"{sorted(LOSSES)} without loss_args")
+    default_aggregation, default_high, level = LOSSES[algo.loss]
+    aggregation = algo.loss_aggregation or default_aggregation
+    if aggregation == "seq_mean_token_sum_norm" and algo.aggregation_tokens not in (
+            None, spec.rollout.max_tokens):
+        # TRL's dr_grpo divides by max_completion_length.
+        raise refuse("algorithm.aggregation_tokens", algo.aggregation_tokens,
+                     "None or rollout.max_tokens")
+    if algo.advantage_name not in SCALE_REWARDS:
+        raise refuse("algorithm.advantage", algo.advantage_name, sorted(SCALE_REWARDS))
+    if algo.dynamic_sampling:
+        raise refuse("algorithm.dynamic_sampling", True, "false")
+    if algo.overlong not in ("keep", "mask"):
+        raise refuse("algorithm.overlong", algo.overlong, "keep, mask")
+    high = algo.clip_eps_high if algo.clip_eps_high is not None else default_high
+    return {
+        "loss_type": LOSS_TYPES[aggregation],
+        "importance_sampling_level": level,
+        "epsilon": spec.trainer.clip_eps,
+        "epsilon_high": spec.trainer.clip_eps if high is None else high,
+        "delta": None,  # no two-sided clip
+        "scale_rewards": SCALE_REWARDS[algo.advantage_name],
+        "mask_truncated_completions": algo.overlong == "mask",
+        "beta": spec.trainer.kl_coef,
+        "use_bias_correction_kl": False,
+        "sync_ref_model": False,
+        "num_iterations": 1,
+        "top_entropy_quantile": 1.0,  # every token in the loss
+        "entropy_coef": 0.0,
+        "use_adaptive_entropy": False,
+        "off_policy_mask_threshold": None,
+        "use_vllm": False,
+        "vllm_importance_sampling_correction": False,  # no vLLM, nothing to correct
+        "reward_weights": None,
+        "multi_objective_aggregation": "sum_then_normalize",  # one reward function
+        # The optimizer ReFlow's trainer builds: torch's AdamW at its defaults.
+        "optim": "adamw_torch",
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+    }
+
+
+def schedule_options(trainer) -> dict:
+    """GRPOConfig's learning-rate schedule for trainer.lr_schedule, warmup_steps and
+    min_lr_ratio: Hugging Face's schedulers of the same laws (reflow.trainer.schedule),
+    stepped once per optimizer step as ReFlow sets the rate. SystemExit names a
+    setting they cannot run."""
+    if trainer.lr_schedule == "constant":
+        kind, kwargs = "constant_with_warmup", {}
+    elif trainer.min_lr_ratio == 0.0:
+        kind, kwargs = trainer.lr_schedule, {}
+    elif trainer.lr_schedule == "cosine":
+        kind, kwargs = "cosine_with_min_lr", {"min_lr_rate": trainer.min_lr_ratio}
+    else:
+        raise SystemExit(f"trl_grpo: trainer.min_lr_ratio={trainer.min_lr_ratio!r} with "
+                         "lr_schedule=linear has no Hugging Face scheduler (supported: 0, or "
+                         "lr_schedule cosine)")
+    return {"lr_scheduler_type": kind, "lr_scheduler_kwargs": kwargs,
+            "warmup_steps": trainer.warmup_steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
 
     batch, group = spec.trainer.batch_size, spec.rollout.group_size
+    loss = loss_options(spec)  # before the model loads: a refused setting fails at once
     task = build_task(spec)  # the same prompt stream the job's dispatcher draws
     stream = task.prompts()
     prompts = [next(stream) for _ in range(spec.trainer.num_steps * batch // group)]
@@ -105,21 +209,21 @@ def main(argv: list[str] | None = None) -> int:
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
-        num_iterations=1,
         max_steps=spec.trainer.num_steps,
         learning_rate=spec.trainer.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        **schedule_options(spec.trainer),
         weight_decay=spec.trainer.weight_decay,
         max_grad_norm=spec.trainer.max_grad_norm,
-        epsilon=spec.trainer.clip_eps,
-        beta=0.0,
-        loss_type="dapo",
-        scale_rewards="group",
+        **loss,
         max_completion_length=spec.rollout.max_tokens,
         temperature=spec.rollout.temperature,
-        top_p=1.0,
-        top_k=0,
+        top_p=spec.rollout.top_p,
+        top_k=spec.rollout.top_k,  # 0: off in both
+        min_p=None,
+        repetition_penalty=1.0,
+        generation_kwargs=None,
+        disable_dropout=False,  # ReFlow's trainer leaves dropout as the model has it
+        cast_lm_head_to_fp32=False,
         seed=spec.seed,
         shuffle_dataset=False,
         use_cpu=True,
@@ -170,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 "policy_version": state.global_step,
                 "reward_mean": float(logs["reward"]),
                 "trained_tokens": step_tokens[-1],
+                # TRL trains each batch once: every token is a first use.
+                "first_use_tokens": step_tokens[-1],
                 "step_time_s": self.step_end - self.previous,
                 "wall_time_s": self.step_end - self.start,
                 "batch_wait_s": generate_s[-1],
@@ -205,11 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         "engine": "trl",
         "trl_version": __import__("trl").__version__,
         "threads": args.threads,
+        "loss_options": loss,
         "steps": len(records),
         "wall_time_s": wall,
         "startup_s": startup_s,
         "trained_tokens": sum(r["trained_tokens"] for r in records),
         "trainer_tokens_per_s_mean": sum(r["trained_tokens"] for r in records) / wall,
+        "first_use_tokens_per_s_mean": sum(r["first_use_tokens"] for r in records) / wall,
         "reward_first_mean": sum(r["reward_mean"] for r in records[:10]) / min(10, len(records)),
         "reward_last_mean": sum(r["reward_mean"] for r in records[-10:]) / min(10, len(records)),
         "generation_share": sum(r["batch_wait_s"] for r in records) / wall,

@@ -34,6 +34,9 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
         "reward_last_mean": _mean(last),
         "reward_gain": _mean(last) - _mean(first),
         "trainer_tokens_per_s_mean": _mean([r["trainer_tokens_per_s"] for r in records]),
+        # Replay trains some samples again: the tokens trained for the first time
+        # (absent from records written before these were recorded).
+        **_first_use(records),
         "step_time_s_mean": _mean([r["step_time_s"] for r in records]),
         "trainer_idle_ratio_mean": _mean([r["trainer_idle_ratio"] for r in records]),
         "rollout_idle_ratio_mean": _mean([r["rollout_idle_ratio"] for r in records]),
@@ -45,6 +48,13 @@ def summarize(records: list[dict[str, Any]], window: int = 10) -> dict[str, Any]
         "engine_startup_s": records[0].get("engine_startup_s"),
         "trainer_startup_s": records[0].get("trainer_startup_s"),
     }
+
+
+def _first_use(records: list[dict[str, Any]]) -> dict[str, Any]:
+    if not all("first_use_tokens" in r for r in records):
+        return {}
+    return {"first_use_tokens": sum(r["first_use_tokens"] for r in records),
+            "first_use_tokens_per_s_mean": _mean([r["first_use_tokens_per_s"] for r in records])}
 
 
 def _eval_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ def trajectory_to_proto(t: Trajectory) -> common_pb2.Trajectory:
         created_at=t.created_at,
         uses=t.uses,
         reward_error=t.reward_error,
+        min_tokens=t.min_tokens,
     )
 
 
@@ -47,6 +48,7 @@ def trajectory_from_proto(m: common_pb2.Trajectory) -> Trajectory:
         created_at=m.created_at,
         uses=m.uses,
         reward_error=m.reward_error,
+        min_tokens=m.min_tokens,
     )
 
 

@@ -119,3 +119,19 @@ def test_with_trl_needs_its_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("REFLOW_TRL_PYTHON", str(tmp_path / "missing" / "python"))
     with pytest.raises(SystemExit, match="make bench-trl-env"):
         modes.main(["--out", str(tmp_path), "--entries", "sync", "--with-trl"])
+
+
+def test_first_use_tokens_per_second_is_summarised_beside_trained_tokens(capsys):
+    """Replay trains some samples again: the table shows both rates; runs recorded
+    before first_use_tokens existed have none."""
+    records = [dict(r, first_use_tokens=60) for r in _records(100, 0.5)]
+    summary = modes.summarize_mode(records, warmup=2, target=0.3)
+    assert (summary["trainer_tokens_per_s"], summary["first_use_tokens_per_s"]) == (100.0, 60.0)
+    assert modes.summarize_mode(_records(100, 0.5), warmup=2, target=0.3)[
+        "first_use_tokens_per_s"] is None
+    summary["vs_sync"] = 1.0
+    modes.print_table("balanced", {
+        "generation_share_of_sync_step": {"median": 0.5, "min": 0.5, "max": 0.5},
+        "entries": {"sync": {"runs": [summary], **modes.spread([summary])}}})
+    out = capsys.readouterr().out
+    assert "first-use tok/s" in out and "60 [60-60]" in out

@@ -276,3 +276,36 @@ def test_minibatches_step_the_optimizer_once_each_and_recompute_scores_before_th
                          {"proximal": "interpolate", "importance_mode": "truncate"}, 2,
                          keep_step=True)[1]
     assert math.isfinite(interpolated.loss)
+
+
+# --- min_tokens: the trainer scores under the engine's stop-masked law ------------------
+
+
+def test_positions_under_min_tokens_are_scored_without_the_stop_tokens(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from reflow.core.types import Segment, Trajectory
+    from reflow.trainer.step import collate, sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    stops = [1, 2]
+    t = Trajectory(sample_id="s", group_id="g", prompt_ids=[5, 6, 7], response_ids=[9, 10, 11, 12],
+                   logprobs=[-1.0] * 4, loss_mask=[1, 1, 1, 1],
+                   segments=[Segment(0, 4)], min_tokens=2)
+    tb = collate([t], pad_id=0, device=torch.device("cpu"))
+    assert tb.suppress[0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0]  # response starts at p-1 = 2
+    with torch.no_grad():
+        logits = model(input_ids=tb.input_ids).logits[0, :-1] / 0.7
+        masked = logits.clone()
+        masked[:, stops] = float("-inf")
+        want = torch.log_softmax(masked, -1).gather(-1, tb.input_ids[0, 1:, None])[:, 0]
+        full = torch.log_softmax(logits, -1).gather(-1, tb.input_ids[0, 1:, None])[:, 0]
+        for chunk in (None, 3):
+            got = sequence_logprobs(model, tb.input_ids, tb.attention_mask, 0.7, chunk,
+                                    suppress=tb.suppress, stop_ids=torch.tensor(stops))[0]
+            torch.testing.assert_close(got[2:4], want[2:4])  # the masked law under min_tokens
+            torch.testing.assert_close(got[4:], full[4:])  # the full law after
+    # Each policy turn starts its own count; observation tokens are never suppressed.
+    from reflow.trainer.step import _suppressed
+
+    assert _suppressed([1, 1, 1, 0, 0, 1, 1], 2) == [1, 1, 0, 0, 0, 1, 1]

@@ -20,7 +20,7 @@ from reflow.scheduler.elastic import ElasticPool
 from reflow.scheduler.generation import ConcurrencyController
 from reflow.scheduler.placement import PlacementPlanner
 from reflow.scheduler.placement_feed import PlacementFeed
-from reflow.sim.command import load_config, main
+from reflow.sim.command import load_config, main, table
 from reflow.sim.costs import DecodeCost, SimConfig
 from reflow.sim.run import Simulation
 
@@ -116,6 +116,38 @@ def test_each_mode_keeps_its_staleness_and_replay_bounds(redis_client, tmp_path)
     assert summary["replay_fraction"] > 0
 
 
+def test_step_records_count_the_tokens_trained_for_the_first_time(redis_client, tmp_path):
+    """first_use_tokens (trainer/records.py): a replayed sample's tokens count in
+    trained_tokens again, not in first_use_tokens; the summary's rate is theirs."""
+    sim, summary = _run("reflow", redis_client, tmp_path, config=_small(8))
+    replayed = [r for r in sim.records if r["replay_samples"]]
+    assert replayed  # reflow replays: some step trains a sample again
+    for r in sim.records:
+        assert r["first_use_tokens_per_s"] == pytest.approx(
+            r["first_use_tokens"] / r["step_time_s"])
+        if r["replay_samples"]:
+            assert 0 < r["first_use_tokens"] < r["trained_tokens"]
+        else:
+            assert r["first_use_tokens"] == r["trained_tokens"]
+    measured = sim.records[sim.config.warmup_steps:]
+    assert summary["first_use_tokens_per_s"] == pytest.approx(
+        sum(r["first_use_tokens"] for r in measured) / sum(r["step_time_s"] for r in measured))
+    assert summary["first_use_tokens_per_s"] < summary["throughput_tokens_per_s"]
+
+
+def test_the_modes_table_shows_first_use_tokens_per_second():
+    row = {"throughput_tokens_per_s": 1200.0, "trainer_idle_ratio": 0.1,
+           "rollout_idle_ratio": 0.2, "mean_staleness": 0.5, "replay_fraction": 0.25,
+           "wall_s": 1.0}
+    lines = table({"8": {"sync": {**row, "throughput_tokens_per_s": 1000.0,
+                                  "first_use_tokens_per_s": 1000.0},
+                         "reflow": {**row, "first_use_tokens_per_s": 900.0},
+                         "fully_async": row}}).splitlines()  # an older run's summary
+    assert lines[0].split()[:5] == ["gpus", "mode", "tokens/s", "first-use/s", "vs"]
+    assert lines[2].split()[:5] == ["8", "reflow", "1200", "900", "1.20"]
+    assert lines[3].split()[:5] == ["8", "fully_async", "1200", "-", "1.20"]
+
+
 def test_one_seed_one_result(redis_client, tmp_path):
     _, first = _run("fully_async", redis_client, tmp_path / "a")
     _, second = _run("fully_async", redis_client, tmp_path / "b")
@@ -197,7 +229,9 @@ def test_several_seeds_give_each_seed_s_runs_and_their_spread(tmp_path, capsys):
               / results["seeds"][k]["4"]["sync"]["throughput_tokens_per_s"] for k in ("0", "1")]
     assert results["spread"]["4"]["reflow"]["vs_sync"]["max"] == pytest.approx(max(ratios))
     assert (tmp_path / "out" / "seed1" / "4gpus" / "reflow" / "metrics.jsonl").exists()
-    assert "over seeds 0,1" in capsys.readouterr().out
+    assert results["spread"]["4"]["reflow"]["first_use_tokens_per_s"]["n"] == 2
+    printed = capsys.readouterr().out
+    assert "over seeds 0,1" in printed and "first-use tokens/s" in printed
     with pytest.raises(SystemExit, match="--seeds"):
         main(Namespace(config=str(config), gpus="4", modes="sync", seeds="0,x",
                        out=str(tmp_path / "bad")))

@@ -107,7 +107,7 @@ def test_step_records_carry_the_engines_mean_decode_step():
 
 
 def test_the_rollout_delta_sums_the_generating_engines_and_restarts_a_replaced_one():
-    totals = (1.0, 2.0, 100.0, 10.0, 3.0, 50.0)
+    totals = (1.0, 2.0, 100.0, 10.0, 3.0, 50.0, 4.0)
     before = {"a": (True, totals), "b": (True, totals), "c": (True, totals)}
     later = tuple(x * 2 for x in totals)
     now = {"a": (True, later),

@@ -140,6 +140,10 @@ def summarize_mode(records: list[dict], warmup: int, target: float, window: int 
     return {
         "steps": len(records),
         "trainer_tokens_per_s": sum(r["trained_tokens"] for r in measured) / step_s,
+        # Of those, the tokens of samples trained for the first time (replay trains
+        # some again); None for runs recorded before this was measured.
+        "first_use_tokens_per_s": sum(r["first_use_tokens"] for r in measured) / step_s
+        if all("first_use_tokens" in r for r in measured) else None,
         # Tokens the engines generated per second over the same steps (None for runs
         # recorded before this was measured, and for TRL).
         "generation_tokens_per_s": sum(r["generated_tokens"] for r in measured) / step_s
@@ -200,8 +204,9 @@ def run_entry(entry: str, workload: str, run: int, config: str, out: Path,
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SPREAD_FIELDS = ("trainer_tokens_per_s", "generation_tokens_per_s", "vs_sync", "vs_trl",
-                 "time_to_target_reward_s", "trainer_idle_ratio", "rollout_utilisation",
+SPREAD_FIELDS = ("trainer_tokens_per_s", "first_use_tokens_per_s", "generation_tokens_per_s",
+                 "vs_sync", "vs_trl", "time_to_target_reward_s", "trainer_idle_ratio",
+                 "rollout_utilisation",
                  "replay_fraction", "final_reward", "max_staleness", "evicted_samples",
                  "wasted_samples", "wall_time_s", "engine_startup_s", "trainer_startup_s")
 
@@ -265,6 +270,7 @@ def print_table(workload: str, result: dict) -> None:
           f"(min {share['min']:.0%}, max {share['max']:.0%}); median [min-max] of "
           f"{len(next(iter(result['entries'].values()))['runs'])} runs")
     columns = (("tok/s", "trainer_tokens_per_s", ".0f"), ("vs sync", "vs_sync", ".2f"),
+               ("first-use tok/s", "first_use_tokens_per_s", ".0f"),
                ("gen tok/s", "generation_tokens_per_s", ".0f"),
                ("idle T", "trainer_idle_ratio", ".2f"), ("util R", "rollout_utilisation", ".2f"),
                ("replay", "replay_fraction", ".2f"), ("reward", "final_reward", ".3f"),

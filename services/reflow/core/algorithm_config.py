@@ -87,16 +87,21 @@ class AlgorithmConfig(_Section):
         description="The lower bound of `mask`. None: 1 / importance_cap.")
     dynamic_sampling: bool = Field(
         default=False,
-        description="Drop GRPO groups whose rewards are all equal before any batch holds "
-        "them (DAPO's dynamic sampling): they carry no advantage. The dispatcher draws "
-        "another prompt in each one's place, so batches stay full; drops are counted "
-        "(`filtered_groups` in the step records).")
+        description="Drop GRPO groups whose scored rewards are all equal (within 1e-9; "
+        "fewer than two scored members count as equal) before any batch holds them (DAPO's "
+        "dynamic sampling): they carry no advantage. The dispatcher draws another prompt in "
+        "each one's place on the same dispatch grant, so batches stay full; drops are "
+        "counted (`filtered_groups` in the step records).")
     overlong: Literal["keep", "mask", "penalty"] = Field(
         default="keep",
-        description="Responses cut at the length limit: `keep` (trained like any other), "
-        "`mask` (left out of the loss: DAPO's overlong filtering), `penalty` (DAPO's soft "
-        "over-length punishment: a reward penalty rising linearly from 0 to "
-        "`overlong_penalty` over the last `overlong_buffer_tokens` of the limit).")
+        description="Responses at the length limit (the max_tokens a group was generated "
+        "under, a length curriculum's stage where one applies; a multi-turn task's episode "
+        "token budget): `keep` (trained like any other), `mask` (one cut at the limit, "
+        "finish_reason `length`, leaves the loss but stays in its group's baseline: DAPO's "
+        "overlong filtering), `penalty` (DAPO's soft over-length punishment, added to every "
+        "scored response's reward by its length before the advantages: 0 up to "
+        "`overlong_buffer_tokens` before the limit, then falling linearly to "
+        "-`overlong_penalty` at it).")
     overlong_buffer_tokens: int = Field(
         default=16, ge=1, le=131072,
         description="L_cache of the soft penalty: the tokens before the limit over which "

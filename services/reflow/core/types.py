@@ -42,6 +42,13 @@ class Trajectory:
     # Why the sample has no reward ("" when it was scored); such a sample carries
     # an all-zero loss_mask, so it adds nothing to the loss or its normalisation.
     reward_error: str = ""
+    # The sample's min_tokens (rollout.length_schedule): in each policy turn (each
+    # run of loss-mask-1 tokens; the whole response of a single-turn sample), the
+    # first min_tokens tokens were sampled with the stop tokens (end-of-sequence)
+    # suppressed, and their behaviour logprobs renormalised over the rest of the
+    # vocabulary (vLLM's processed logprobs). The trainer must score those
+    # positions under the same law (models.stop_token_ids) for an unbiased ratio.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -50,6 +57,8 @@ class Trajectory:
                 f"trajectory {self.sample_id}: response_ids, logprobs and loss_mask must have "
                 f"equal lengths, got {n}, {len(self.logprobs)}, {len(self.loss_mask)}"
             )
+        if self.min_tokens < 0:
+            raise ValueError(f"trajectory {self.sample_id}: min_tokens {self.min_tokens} < 0")
         if sum(s.num_tokens for s in self.segments) != n:
             raise ValueError(f"trajectory {self.sample_id}: segments do not cover the response")
 
@@ -86,9 +95,12 @@ def group_staleness_version(members: list[Trajectory], reference: str) -> int:
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO advantage: each reward minus the group mean, over the group std.
+    """GRPO advantage: each reward minus the group mean, over the group's
+    population std (÷ n) plus `eps`.
 
-    A group whose rewards are all equal carries no signal and gets zeros.
+    A group whose rewards are all equal carries no signal and gets zeros. This is
+    the `grpo` advantage estimator's formula (reflow.algorithms.advantages, which
+    calls it); a group is scored through the job's estimator, not this function.
     """
     n = len(rewards)
     if n == 0:

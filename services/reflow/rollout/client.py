@@ -26,6 +26,8 @@ class RolloutStats:
     concurrency_cap: int = 0
     engine_busy_seconds_total: float = 0.0
     engine_decode_steps_total: int = 0
+    # Groups dynamic sampling dropped (algorithm.dynamic_sampling).
+    filtered_groups_total: int = 0
 
 
 class GrpcRolloutClient:
@@ -109,7 +111,7 @@ class GrpcRolloutClient:
             m.inflight_samples, m.policy_version, m.state, m.error, m.occupancy_seconds_total,
             m.engine_startup_s, m.kv_usage_seconds_total, m.preempted_requests_total,
             m.kv_cache_tokens, m.concurrency_cap, m.engine_busy_seconds_total,
-            m.engine_decode_steps_total,
+            m.engine_decode_steps_total, m.filtered_groups_total,
         )
 
     def submit_group(self, job_id: str, group_id: str, prompt: Prompt,
@@ -170,7 +172,8 @@ class InprocRolloutClient:
                             c.occupancy_seconds_total, c.engine_startup_s,
                             c.kv_usage_seconds_total, c.preempted_requests_total,
                             c.kv_cache_tokens, c.concurrency_cap,
-                            c.engine_busy_seconds_total, c.engine_decode_steps_total)
+                            c.engine_busy_seconds_total, c.engine_decode_steps_total,
+                            c.filtered_groups_total)
 
     def close(self) -> None:
         pass

@@ -22,6 +22,9 @@ class SamplingSpec:
     seed: int | None = None
     # End-of-sequence is suppressed before this many tokens (a length curriculum).
     min_tokens: int = 0
+    # Truncation of the sampled law (rollout.top_p, rollout.top_k): 1 and 0 are off.
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclass

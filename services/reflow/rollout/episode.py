@@ -63,6 +63,9 @@ class EpisodeResult:
     finish_reason: str = "stop"
     # Seconds spent in environment steps, for the metrics.
     env_seconds: float = 0.0
+    # Each policy turn's min_tokens (SamplingSpec.min_tokens; a turn with fewer
+    # tokens left has them all under it): core.types.Trajectory.min_tokens.
+    min_tokens: int = 0
 
     @property
     def num_policy_tokens(self) -> int:
@@ -150,7 +153,7 @@ async def run_episode(generate: Generate, request_id: str, env: Environment,
 
     sample = PartialSample()
     mask: list[int] = []
-    result = EpisodeResult(prompt_ids=prompt_ids)
+    result = EpisodeResult(prompt_ids=prompt_ids, min_tokens=sampling.min_tokens)
     rewards: list[float] = []
     # The last observation joins the sequence only when a policy turn follows it:
     # trailing observation tokens would carry no signal.

@@ -47,8 +47,11 @@ async def run_evaluation(worker, num_prompts: int, greedy: bool) -> EvalResult:
     prompts = worker.task.eval_prompts(num_prompts)
     if not prompts:
         raise ValueError("num_prompts: the task's held-out split is empty")
-    sampling = SamplingSpec(max_tokens=worker.spec.rollout.max_tokens,
-                            temperature=0.0 if greedy else worker.spec.rollout.temperature)
+    rollout = worker.spec.rollout
+    # Greedy, or the training samples' law (temperature and truncation).
+    sampling = (SamplingSpec(max_tokens=rollout.max_tokens, temperature=0.0) if greedy else
+                SamplingSpec(max_tokens=rollout.max_tokens, temperature=rollout.temperature,
+                             top_p=rollout.top_p, top_k=rollout.top_k))
     tag = f"eval-v{version}-{time.monotonic_ns()}"
     if worker.episodes is not None:
         episodes = await asyncio.gather(*(

@@ -46,6 +46,11 @@ class RolloutCollector:
                                      labels=["job_id"])
         scored.add_metric([worker.job_id], c.scored_samples_total)
         yield scored
+        filtered = CounterMetricFamily(
+            "reflow_rollout_filtered_groups", "Groups dynamic sampling dropped (their rewards "
+            "were all equal; never put, a new prompt drawn in place).", labels=["job_id"])
+        filtered.add_metric([worker.job_id], c.filtered_groups_total)
+        yield filtered
         errors = CounterMetricFamily(
             "reflow_rollout_reward_errors", "Samples without a reward, by reason (exception, "
             "timeout, non_finite, crashed, env_exception, env_timeout); excluded from the loss.",

@@ -21,12 +21,16 @@ class WeightUpdate:
 
 @dataclass
 class PartialSample:
-    """A sample being generated: tokens, logprobs and version segments so far."""
+    """A sample being generated: tokens, logprobs and version segments so far,
+    and the min_tokens it is generated under (SamplingSpec.min_tokens), which its
+    Trajectory carries: its first min_tokens logprobs are of a law without the
+    stop tokens (core.types.Trajectory.min_tokens)."""
 
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     finish_reason: str = "length"
+    min_tokens: int = 0
 
     def extend(self, ids: list[int], logprobs: list[float],
                versions: list[tuple[int, int]]) -> None:
@@ -72,13 +76,16 @@ class RolloutCounters:
     # Samples scored, and those without a reward by reason (rollout/scoring.py).
     scored_samples_total: int = 0
     reward_errors_total: dict[str, int] = field(default_factory=dict)
+    # Groups dynamic sampling dropped: rewards all equal, never put (rollout/scoring.py).
+    filtered_groups_total: int = 0
 
 
 @dataclass(frozen=True)
 class SampleEvent:
     """What the dispatcher learns from a worker: a sample ended (`sample_index`
     >= 0, with its token counts), or a group was put to the buffer
-    (`sample_index` -1; `error` set if it failed instead)."""
+    (`sample_index` -1; `error` set if it failed instead, or GROUP_RETURNED or
+    GROUP_FILTERED if it ended without a put)."""
 
     seq: int
     group_id: str
@@ -91,3 +98,6 @@ class SampleEvent:
 
 # The error of a group's end event when its worker handed it back unfinished.
 GROUP_RETURNED = "returned: its worker left the rollout role"
+# ... when dynamic sampling dropped it (algorithm.dynamic_sampling: its scored
+# rewards were all equal); the dispatcher spends its grant on a new prompt.
+GROUP_FILTERED = "filtered: its rewards were all equal (algorithm.dynamic_sampling)"

@@ -1,6 +1,8 @@
 """From a finished GRPO group to trajectories: rewards (through the reward pool,
-off the worker's event loop), group-normalised advantages, and what a sample
-without a reward becomes.
+off the worker's event loop), the job's advantage estimator
+(`algorithm.advantage`), what a sample without a reward becomes, and DAPO's
+treatment of over-long responses and of groups without signal
+(`algorithm.overlong`, `algorithm.dynamic_sampling`; GroupScoring).
 
 A sample whose reward failed (reflow.tasks.rewards: an exception, a timeout, a
 non-finite value; or an environment's error) is **excluded from training**: it
@@ -11,6 +13,12 @@ the scorer fail (often a long or odd response) is wrong, which it may not be;
 exclusion teaches nothing from a sample nobody scored. The job fails only when
 failures pass `task.max_reward_error_rate` over the last `task.reward_error_window`
 samples (ErrorWindow), with the counts by reason in its status.
+
+Over-long responses (DAPO §3.4) stay in their group's baseline either way:
+`mask` only takes a response cut at the length limit (finish_reason "length")
+out of the loss, as a failed reward is; `penalty` adds the soft over-length
+penalty to every scored response's reward by its length, before the
+advantages, and the trajectory carries the penalised reward.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-from reflow.core.types import Segment, Trajectory, group_advantages
+from reflow.algorithms.advantages import (AdvantageEstimator, GroupNormalised, equal_rewards,
+                                          load_estimator, overlong_penalty)
+from reflow.core.algorithm_config import AlgorithmConfig
+from reflow.core.types import Segment, Trajectory
 from reflow.tasks.base import Prompt
 from reflow.tasks.rewards import RewardResult
 
@@ -48,28 +59,75 @@ async def score_texts(scorer: Scorer, prompt: Prompt, texts: list[str]) -> list[
     return list(await asyncio.gather(*(asyncio.to_thread(scorer, prompt, t) for t in texts)))
 
 
+class GroupScoring:
+    """What a job's `algorithm` section does to a finished group: its advantage
+    estimator, its treatment of over-long responses, and whether a group whose
+    rewards are all equal is dropped (DAPO's dynamic sampling). Built once per
+    worker; None: GRPO's advantages, nothing else (the spec's defaults)."""
+
+    def __init__(self, algorithm: AlgorithmConfig | None = None) -> None:
+        self.estimator: AdvantageEstimator = (load_estimator(algorithm.advantage_name)
+                                              if algorithm is not None else GroupNormalised())
+        self.dynamic_sampling = algorithm is not None and algorithm.dynamic_sampling
+        self.overlong = algorithm.overlong if algorithm is not None else "keep"
+        self.buffer_tokens = algorithm.overlong_buffer_tokens if algorithm is not None else 1
+        self.penalty = algorithm.overlong_penalty if algorithm is not None else 0.0
+
+    def rewards(self, samples: list, results: list[RewardResult],
+                max_tokens: int) -> list[float]:
+        """Each sample's reward as trained on: its score, plus the over-length
+        penalty of its length under `max_tokens` with overlong=penalty (a sample
+        without a reward keeps 0)."""
+        if self.overlong != "penalty":
+            return [r.value for r in results]
+        return [r.value if r.error else
+                r.value + overlong_penalty(len(s.response_ids), max_tokens,
+                                           self.buffer_tokens, self.penalty)
+                for s, r in zip(samples, results)]
+
+    def masked(self, sample) -> bool:
+        """Whether overlong=mask takes `sample` out of the loss: it was cut at the
+        length limit, so its reward judges an unfinished answer (DAPO §3.4)."""
+        return self.overlong == "mask" and sample.finish_reason == "length"
+
+    def drops(self, trajectories: list[Trajectory]) -> bool:
+        """With dynamic sampling, whether the group never reaches the buffer: its
+        scored rewards are all equal, so every member's advantage is zero (DAPO
+        §3.2). The worker ends it with a GROUP_FILTERED event instead, and the
+        dispatcher spends its grant on a new prompt."""
+        return self.dynamic_sampling and equal_rewards(
+            [t.reward for t in trajectories if not t.reward_error])
+
+
 def group_trajectories(group_id: str, prompt_ids: list[int], samples: list,
                        results: list[RewardResult],
-                       loss_masks: list[list[int]] | None = None) -> list[Trajectory]:
+                       loss_masks: list[list[int]] | None = None,
+                       scoring: GroupScoring | None = None,
+                       max_tokens: int = 0) -> list[Trajectory]:
     """The group's trajectories. `samples` carry response_ids, logprobs, segments
     and finish_reason (rollout.records.PartialSample or an episode's result);
-    `loss_masks` default to all ones (every response token sampled by the policy)."""
+    `loss_masks` default to all ones (every response token sampled by the policy);
+    `scoring` is the job's algorithm (None: GRPO, nothing else); `max_tokens` the
+    length limit the samples were generated under (L_max of the over-length
+    penalty: the curriculum stage's max_tokens, or an episode's token budget)."""
+    scoring = scoring or GroupScoring()
+    rewards = scoring.rewards(samples, results, max_tokens)
     scored = [i for i, r in enumerate(results) if not r.error]
     advantages = [0.0] * len(samples)
-    for i, a in zip(scored, group_advantages([results[i].value for i in scored])):
+    for i, a in zip(scored, scoring.estimator.compute([rewards[i] for i in scored])):
         advantages[i] = a
     now = time.time()
     out = []
     for i, (s, r) in enumerate(zip(samples, results)):
         mask = loss_masks[i] if loss_masks is not None else [1] * len(s.response_ids)
-        if r.error:
+        if r.error or scoring.masked(s):
             mask = [0] * len(s.response_ids)
         out.append(Trajectory(
             sample_id=f"{group_id}-{i}", group_id=group_id, prompt_ids=prompt_ids,
             response_ids=s.response_ids, logprobs=s.logprobs, loss_mask=mask,
             segments=[Segment(seg.policy_version, seg.num_tokens) for seg in s.segments],
-            reward=r.value, advantage=advantages[i], finish_reason=s.finish_reason,
-            created_at=now, reward_error=r.error))
+            reward=rewards[i], advantage=advantages[i], finish_reason=s.finish_reason,
+            created_at=now, reward_error=r.error, min_tokens=getattr(s, "min_tokens", 0)))
     return out
 
 

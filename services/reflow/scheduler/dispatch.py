@@ -24,6 +24,18 @@ retried; one that keeps failing is taken out of routing (the job's watcher
 fails the job when a worker process dies). A buffer that stays unreachable past
 its client's retries ends the dispatch loop with a one-line error that the
 watcher reports; one closed under the loop at the job's end ends it quietly.
+
+Dynamic sampling (`algorithm.dynamic_sampling`, DAPO §3.2): a group whose
+rewards were all equal never reaches the buffer; its worker ends it with a
+GROUP_FILTERED event, and its grant draws a new prompt from the stream
+(over-sampling, so batches stay full). The grant is reused here, not refunded
+to the buffer: the buffer counted it once as dispatched and receives exactly
+one group for it, the replacement, so its dispatch bounds stay exact (sync
+mode still dispatches one batch per version, the replacements generated under
+that version). Until its grant is routed again the filtered group stays in
+the ledger, and the route that spends the grant removes it atomically with
+its own entry: a dispatcher resumed in between routes the filtered group again,
+on its grant, and no grant is lost or counted twice.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from reflow.replay.client import ReplayClient
 from reflow.scheduler.inflight import DispatchLedger
 from reflow.rollout.client import RolloutStats
 from reflow.tasks import Prompt, Task
-from reflow.rollout.records import GROUP_RETURNED, SampleEvent
+from reflow.rollout.records import GROUP_FILTERED, GROUP_RETURNED, SampleEvent
 from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
                                          route)
 
@@ -150,6 +162,10 @@ class Dispatcher:
         # budget they were granted (never acquired twice, never lost).
         self._returned: deque[Prompt] = deque()
         self.returned_groups = 0
+        # Groups dynamic sampling dropped whose grants are in hand, not yet routed
+        # again (each leaves the ledger with the route that spends its grant).
+        self._filtered: deque[str] = deque()
+        self.filtered_groups = 0
         self._groups: dict[str, _Group] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -242,6 +258,7 @@ class Dispatcher:
                 "placement_recommendations": dict(self.placement_recommendations),
                 "rebalances": dict(self.rebalances),
                 "role_flips": dict(self.role_flips),
+                "filtered_groups": self.filtered_groups,
                 "predicted_response_tokens": self.lengths.predict(""),
                 "error": self.error,
             }
@@ -415,8 +432,10 @@ class Dispatcher:
             self._granted -= self.group_size
             self._next_prompt, self._next_group, self._next_from_stream = None, None, False
             cap = worker.cap
+            # The grant of a filtered group, if one is in hand, is the one spent here.
+            replaces = self._filtered.popleft() if self._filtered else None
         # In the ledger before the worker has it: a fault after the submit finds it there.
-        self._ledger_call("routed", group_id, prompt, from_stream)
+        self._ledger_call("routed", group_id, prompt, from_stream, replaces)
         if self._submit(worker, group_id, prompt, cap):
             with self._cond:
                 self.dispatched_groups[worker.name] += 1
@@ -513,10 +532,17 @@ class Dispatcher:
                     continue
                 # The group was put (or failed): what did not end is freed with it.
                 self._groups.pop(e.group_id)
-                ended.append(e.group_id)
                 worker.inflight -= group.remaining
                 worker.predicted_tokens -= group.tokens_per_sample * group.remaining
                 worker.predicted_tokens = max(0.0, worker.predicted_tokens)
+                if e.error == GROUP_FILTERED:
+                    # Dropped by dynamic sampling: a new prompt goes out on its grant,
+                    # and it stays in the ledger until then (see the module docstring).
+                    self._filtered.append(e.group_id)
+                    self._granted += self.group_size
+                    self.filtered_groups += 1
+                    continue
+                ended.append(e.group_id)
                 if e.error == GROUP_RETURNED:
                     # Handed back unfinished (its worker left rollout): the prompt goes
                     # out again, on the grant it had.

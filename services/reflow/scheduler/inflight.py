@@ -40,19 +40,26 @@ class DispatchLedger:
         self._dispatch = f"reflow:{{{job_id}}}:dispatch"
         self._inflight = f"reflow:{{{job_id}}}:inflight"
 
-    def routed(self, group_id: str, prompt: Prompt, from_stream: bool) -> None:
+    def routed(self, group_id: str, prompt: Prompt, from_stream: bool,
+               replaces: str | None = None) -> None:
         """A group went to a worker; `from_stream`: its prompt was the stream's next
-        (not one going out again), so the position moves past it."""
+        (not one going out again), so the position moves past it; `replaces`: a
+        group dynamic sampling dropped, whose grant this one spends, so it leaves
+        in the same transaction (never both kept, never neither)."""
         entry = json.dumps({"prompt_id": prompt.prompt_id, "text": prompt.text,
                             "answer": prompt.answer})
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self._inflight, group_id, entry)
+        if replaces is not None and replaces != group_id:
+            pipe.hdel(self._inflight, replaces)
         if from_stream:
             pipe.hincrby(self._dispatch, "position", 1)
         pipe.execute()
 
     def ended(self, group_ids: list[str]) -> None:
-        """Groups that were put, failed, or handed back (routed again under a new id)."""
+        """Groups that were put, failed, or handed back (routed again under a new id).
+        A group dynamic sampling dropped leaves with the route that spends its
+        grant instead (`routed(..., replaces=)`)."""
         if group_ids:
             self.redis.hdel(self._inflight, *group_ids)
 

@@ -69,8 +69,8 @@ def simulate(config: SimConfig, gpus: list[int], modes: list[str], out: Path) ->
 
 
 # What the spread over seeds is given for, per mode (`vs_sync` is taken within a seed).
-SPREAD_FIELDS = ("throughput_tokens_per_s", "vs_sync", "trainer_idle_ratio",
-                 "rollout_idle_ratio", "mean_staleness", "replay_fraction")
+SPREAD_FIELDS = ("throughput_tokens_per_s", "first_use_tokens_per_s", "vs_sync",
+                 "trainer_idle_ratio", "rollout_idle_ratio", "mean_staleness", "replay_fraction")
 
 
 def _spread(values: list[float]) -> dict:
@@ -94,7 +94,7 @@ def spread(by_seed: dict[str, dict]) -> dict:
                         if not base:
                             continue
                         values.append(summary["throughput_tokens_per_s"] / base)
-                    else:
+                    elif field in summary:  # results.json of an older run may lack one
                         values.append(summary[field])
                 if values:
                     fields[field] = _spread(values)
@@ -108,11 +108,12 @@ def spread_table(spreads: dict) -> str:
             return "-"
         return f"{s['median']:{fmt}} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
 
-    lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>22} {'vs sync':>17} {'trainer idle':>20} "
-             f"{'rollout idle':>20}"]
+    lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>22} {'first-use tokens/s':>22} "
+             f"{'vs sync':>17} {'trainer idle':>20} {'rollout idle':>20}"]
     for n, by_mode in spreads.items():
         for mode, f in by_mode.items():
             lines.append(f"{n:>5} {mode:<13} {cell(f.get('throughput_tokens_per_s'), '.0f'):>22} "
+                         f"{cell(f.get('first_use_tokens_per_s'), '.0f'):>22} "
                          f"{cell(f.get('vs_sync'), '.2f'):>17} "
                          f"{cell(f.get('trainer_idle_ratio'), '.3f'):>20} "
                          f"{cell(f.get('rollout_idle_ratio'), '.3f'):>20}")
@@ -132,13 +133,19 @@ def simulate_seeds(config: SimConfig, gpus: list[int], modes: list[str], seeds: 
 
 
 def table(results: dict) -> str:
-    lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>10} {'vs sync':>8} {'trainer idle':>13} "
-             f"{'rollout idle':>13} {'staleness':>10} {'replay':>7} {'wall s':>7}"]
+    # tokens/s counts replayed samples' tokens again; first-use tokens/s only the
+    # samples trained for the first time.
+    lines = [f"{'gpus':>5} {'mode':<13} {'tokens/s':>10} {'first-use/s':>12} {'vs sync':>8} "
+             f"{'trainer idle':>13} {'rollout idle':>13} {'staleness':>10} {'replay':>7} "
+             f"{'wall s':>7}"]
     for n, by_mode in results.items():
         base = by_mode.get("sync", {}).get("throughput_tokens_per_s")
         for mode, s in by_mode.items():
             ratio = f"{s['throughput_tokens_per_s'] / base:.2f}" if base else "-"
-            lines.append(f"{n:>5} {mode:<13} {s['throughput_tokens_per_s']:>10.0f} {ratio:>8} "
+            first = s.get("first_use_tokens_per_s")
+            first_cell = f"{first:.0f}" if first is not None else "-"
+            lines.append(f"{n:>5} {mode:<13} {s['throughput_tokens_per_s']:>10.0f} "
+                         f"{first_cell:>12} {ratio:>8} "
                          f"{s['trainer_idle_ratio']:>13.3f} {s['rollout_idle_ratio']:>13.3f} "
                          f"{s['mean_staleness']:>10.2f} {s['replay_fraction']:>7.2f} "
                          f"{s['wall_s']:>7.1f}")

@@ -8,8 +8,10 @@ preempted and recomputed later (its prompt and tokens prefilled again). Time
 advances lazily, in whole steps, when the simulation asks (`advance_to`); a
 sequence submitted between two boundaries joins at the earlier one (less than
 one step early). A finished group goes to the replay buffer through the
-product's ReplayClient, as a worker's put, and its end is reported as the
-worker's events are (SampleEvent).
+product's ReplayClient, as a worker's put, with the job's advantages (the
+worker's GroupScoring), and its end is reported as the worker's events are
+(SampleEvent); with dynamic sampling a group whose rewards are all equal is
+not put, and its end event says GROUP_FILTERED, as a worker's does.
 
 Multi-turn episodes (ToolCost.turns > 1): at the end of each turn but the last a
 sequence leaves the batch, frees its KV, and waits out a tool call; it then
@@ -24,10 +26,11 @@ import random
 from dataclasses import dataclass, field
 
 from reflow.core.clock import VirtualClock
-from reflow.core.types import Segment, Trajectory, group_advantages
+from reflow.core.types import Segment, Trajectory
 from reflow.replay.client import ReplayClient
 from reflow.rollout.client import RolloutStats
-from reflow.rollout.records import GROUP_RETURNED, SampleEvent
+from reflow.rollout.records import GROUP_FILTERED, GROUP_RETURNED, SampleEvent
+from reflow.rollout.scoring import GroupScoring
 from reflow.sim.costs import CostModel
 from reflow.tasks import Prompt
 
@@ -65,13 +68,15 @@ class SimEngine:
 
     def __init__(self, name: str, job_id: str, costs: CostModel, replay: ReplayClient,
                  rng: random.Random, group_size: int, step_of, sample_tokens: dict,
-                 clock: VirtualClock) -> None:
+                 clock: VirtualClock, scoring: GroupScoring | None = None) -> None:
         """`step_of()`: the trainer's step (the length curriculum's); `sample_tokens`:
-        sample id -> (prompt, response) tokens, filled as samples finish."""
+        sample id -> (prompt, response) tokens, filled as samples finish; `scoring`
+        the job's advantage estimator and dynamic sampling (None: GRPO's, off)."""
         self.name, self.job_id, self.costs, self.replay = name, job_id, costs, replay
         self.group_size, self.sample_tokens, self.clock = group_size, sample_tokens, clock
         self.decode = costs.decode
         self.rng, self._step_of = rng, step_of
+        self.scoring = scoring or GroupScoring()
         self.t = 0.0
         self.counter = 0  # decode steps taken; a running sequence's length grows with it
         self.running: dict[tuple[str, int], _Seq] = {}
@@ -92,6 +97,7 @@ class SimEngine:
         self.generated_tokens = self.finished_samples = self.preemptions = self.decode_steps = 0
         self.idle_s = self.kv_usage_s = self.occupancy_s = self.busy_s = 0.0
         self.cap = 0
+        self.filtered_groups = 0
 
     # --- WorkerClient -----------------------------------------------------------------
 
@@ -127,7 +133,8 @@ class SimEngine:
             state="running", error="", occupancy_seconds_total=self.occupancy_s,
             kv_usage_seconds_total=self.kv_usage_s, preempted_requests_total=self.preemptions,
             kv_cache_tokens=self.decode.kv_capacity_tokens, concurrency_cap=self.cap,
-            engine_busy_seconds_total=self.busy_s, engine_decode_steps_total=self.decode_steps)
+            engine_busy_seconds_total=self.busy_s, engine_decode_steps_total=self.decode_steps,
+            filtered_groups_total=self.filtered_groups)
 
     # --- the simulation's side ------------------------------------------------------
 
@@ -335,7 +342,8 @@ class SimEngine:
         del self.groups[gid]
         rewards = [1.0 if self.rng.random() < group.reward_p else 0.0 for _ in group.members]
         trajectories = []
-        for seq, reward, adv in zip(group.members, rewards, group_advantages(rewards)):
+        for seq, reward, adv in zip(group.members, rewards,
+                                    self.scoring.estimator.compute(rewards)):
             # One placeholder token a segment: the buffer sees each sample's versions;
             # its length lives with the simulation (Simulation.tokens).
             segments = [Segment(v, 1) for v, _ in _merged(seq.done_segments)]
@@ -344,9 +352,14 @@ class SimEngine:
                 sample_id=f"{gid}-{seq.index}", group_id=gid, prompt_ids=[0], response_ids=[0] * n,
                 logprobs=[0.0] * n, loss_mask=[1] * n, segments=segments, reward=reward,
                 advantage=adv, created_at=self.t))
-        self.replay.put(self.job_id, trajectories)
+        filtered = self.scoring.drops(trajectories)
+        if filtered:
+            self.filtered_groups += 1
+        else:
+            self.replay.put(self.job_id, trajectories)
         self._seq += 1
-        self.events.append(SampleEvent(self._seq, gid, -1, policy_version=self.version))
+        self.events.append(SampleEvent(self._seq, gid, -1, policy_version=self.version,
+                                       error=GROUP_FILTERED if filtered else ""))
 
 
 def _merged(segments: list[list[int]]) -> list[list[int]]:

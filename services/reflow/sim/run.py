@@ -39,6 +39,7 @@ from reflow.replay.store import ReplayStore
 from reflow.report import plot
 from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
 from reflow.scheduler.elastic import ElasticPool
+from reflow.rollout.scoring import GroupScoring
 from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
@@ -119,7 +120,8 @@ class Simulation:
         self.engines = {name: SimEngine(name, JOB_ID, self.costs, self.replay,
                                         random.Random(rng.random()),  # nosec B311
                                         spec.rollout.group_size, lambda: self.step,
-                                        self.sample_tokens, self.clock)
+                                        self.sample_tokens, self.clock,
+                                        GroupScoring(spec.algorithm))
                         for name in names if not name.startswith("trainer")}
         group_ids = itertools.count(1)
         out.mkdir(parents=True, exist_ok=True)
@@ -296,12 +298,12 @@ class Simulation:
 
     # --- records ----------------------------------------------------------------------
 
-    def _rollout_totals(self) -> dict[str, tuple[float, float, int, int, float, int]]:
+    def _rollout_totals(self) -> dict[str, tuple[float, float, int, int, float, int, int]]:
         now = self.clock.now
         for e in self.engines.values():
             e.advance_to(now)
         return {n: (e.idle_s, e.occupancy_s, e.generated_tokens, e.finished_samples, e.busy_s,
-                    e.decode_steps)
+                    e.decode_steps, e.filtered_groups)
                 for n, e in self.engines.items()}
 
     def _rollout_names(self) -> list[str]:
@@ -319,11 +321,13 @@ class Simulation:
         replayed = sum(1 for t in trajs if t.uses > 0)
         fresh = sum(1 for t, s in zip(trajs, staleness) if t.uses == 0 and s == 0)
         trained = sum(self.sample_tokens[t.sample_id][1] for t in trajs)
+        # Of those, the tokens of samples trained for the first time (trainer/records.py).
+        first_use = sum(self.sample_tokens[t.sample_id][1] for t in trajs if t.uses == 0)
         # Over the engines on rollout at the step's end (a unit that flipped during
         # the step counts on the side it ended on).
         names = self._rollout_names()
         n = len(names)
-        delta = [sum(after[k][i] - before[k][i] for k in names) for i in range(6)]
+        delta = [sum(after[k][i] - before[k][i] for k in names) for i in range(7)]
         histogram: dict[str, int] = {}
         for s in staleness:
             histogram[str(s)] = histogram.get(str(s), 0) + 1
@@ -336,12 +340,15 @@ class Simulation:
             "max_staleness": max(staleness),
             "trained_tokens": trained, "step_time_s": step_s,
             "trainer_tokens_per_s": trained / step_s if step_s > 0 else 0.0,
+            "first_use_tokens": first_use,
+            "first_use_tokens_per_s": first_use / step_s if step_s > 0 else 0.0,
             "trainer_idle_ratio": min(1.0, (wait_s + sync_wait_s) / step_s) if step_s else 0.0,
             "rollout_idle_ratio": min(1.0, delta[0] / (step_s * n)) if step_s else 0.0,
             "rollout_utilisation": min(1.0, delta[1] / (step_s * n)) if step_s else 0.0,
             "rollout_busy_ratio": min(1.0, delta[4] / (step_s * n)) if step_s else 0.0,
             **engine_step_fields(delta[4], delta[5], delta[2]),
             "generated_tokens": delta[2], "generated_samples": delta[3],
+            "filtered_groups": delta[6],
             "fresh_samples": fresh, "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed, "staleness_histogram": histogram,
             "wait_s": wait_s, "train_s": train_s, "sync_s": sync_s, "sync_wait_s": sync_wait_s,
@@ -381,6 +388,9 @@ class Simulation:
             "trainer_gpus": self.trainer_gpus, "steps": self.step, "phase": "SUCCEEDED",
             "simulated_s": round(self.clock.now, 3), "wall_s": round(wall_s, 3),
             "throughput_tokens_per_s": trained / span if span else 0.0,
+            # Trained tokens less replay's repeats: the rate new rollouts are trained.
+            "first_use_tokens_per_s": sum(r["first_use_tokens"] for r in measured) / span
+            if span else 0.0,
             "trainer_idle_ratio": mean("trainer_idle_ratio"),
             "rollout_idle_ratio": mean("rollout_idle_ratio"),
             "rollout_tail_share": statistics.median(

@@ -8,6 +8,9 @@ its rows are read lazily, the first time prompts are asked for, so a reward
 pool process that only scores never reads the file. math-verify bounds its
 parsing with `signal.alarm`, which works only in a main thread: the reward
 pool (reflow.tasks.rewards) calls `reward` in its processes' main threads.
+math-verify itself (sympy, its LaTeX grammar: a second or more on a busy
+machine) is imported where the task is built, before the pool reports ready,
+so no reward call's timeout pays for it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class MathTask:
         self.instruction, self.system_prompt = instruction, system_prompt
         self.answer_fallback = answer_fallback
         self._splits: tuple[list[Row], list[Row]] | None = None
+        _load_math_verify()
 
     @classmethod
     def check(cls, args: Args, context: TaskContext) -> None:
@@ -117,6 +121,17 @@ class MathTask:
         if not gold or not guess:
             return 0.0
         return 1.0 if verify(gold, guess) else 0.0
+
+
+def _load_math_verify() -> None:
+    """Import math-verify now, not in the first reward call, whose timeout
+    (task.reward_timeout_s) the import would count against. Its first parse
+    after the import costs tens of milliseconds: left to the call."""
+    try:
+        import math_verify  # noqa: F401 - imported for its side effect: loaded
+    except ImportError as err:
+        raise ValueError("task.name: math needs the math-verify package: pip install "
+                         f"'math-verify[antlr4_13_2]' ({err})") from None
 
 
 def _as_math(text: str) -> str:

@@ -65,13 +65,14 @@ class PolicyScorer(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 temperature: float = 1.0, chunk_tokens: int | None = None,
-                with_entropy: bool = False):
+                with_entropy: bool = False, suppress: torch.Tensor | None = None,
+                stop_ids: torch.Tensor | None = None):
         from reflow.trainer.step import sequence_logprobs
 
         # A copy, not the view the chunked path returns: FSDP's pre-backward hook
         # sits on the output, and an in-place op on a view would lose it.
         out = sequence_logprobs(self.module, input_ids, attention_mask, temperature,
-                                chunk_tokens, with_entropy)
+                                chunk_tokens, with_entropy, suppress, stop_ids)
         return (out[0].clone(), out[1]) if with_entropy else out.clone()
 
 

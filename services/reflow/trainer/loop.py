@@ -30,6 +30,7 @@ import torch
 from reflow.core.config import JobSpec
 from reflow.core.errors import ConsecutiveFailures
 from reflow.core.types import Batch
+from reflow.models.tokens import stop_token_ids
 from reflow.replay.client import ReplayClient
 from reflow.trainer.checkpoint import (CheckpointInfo, Checkpointer, load_checkpoint,
                                        supersede_metrics)
@@ -40,6 +41,7 @@ from reflow.trainer.handoff import SharedState
 from reflow.trainer.membership import GroupMembership
 from reflow.trainer.publish import WeightPublisher
 from reflow.trainer.records import step_record
+from reflow.trainer.schedule import set_learning_rate
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
 
 RECENT_METRICS_STEPS = 4096
@@ -86,9 +88,12 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.step = 0
         self.policy_version = 0
         self.startup_s = 0.0
+        # The learning rate the last step trained at (trainer/schedule.py).
+        self.learning_rate = spec.trainer.learning_rate
         # The frozen initial model of the KL penalty (trainer.kl_coef > 0), and the
         # bytes its parameters hold; built by load().
         self.reference: torch.nn.Module | None = None
+        self.stop_ids: list[int] | None = None
         self.reference_bytes = 0
         # Recent per-step records for the scheduler, which polls about once a second
         # and copies them into the job store; bounded so a lost poller costs no memory.
@@ -184,6 +189,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.model.train()
         self.optimizer = self._new_optimizer(self.model.parameters())
         self.pad_id = self.tokenizer.pad_token_id or 0
+        # The stop tokens the engine masks under a curriculum's min_tokens, which the
+        # trainer masks too where it scores those positions (models/tokens.py).
+        self.stop_ids = (stop_token_ids(path) if any(
+            stage.min_tokens for stage in self.spec.rollout.length_schedule) else None)
         self.sharded = wants_fsdp(self.spec, sum(p.numel() for p in self.model.parameters()))
         if self.resume_from is not None:
             # After the reference copy: the KL penalty stays against the job's initial
@@ -469,8 +478,13 @@ class TrainLoop(GroupMembership, WeightPublisher):
                 if group is not None:
                     # The replicas compute their shares of the same batch (trainer/dp.py).
                     group.send_command("train", self.step + 1, batch.trajectories)
+                # From the step number, as every replica sets it: nothing of the
+                # schedule needs saving or handing over (trainer/schedule.py).
+                self.learning_rate = set_learning_rate(self.optimizer, self.spec.trainer,
+                                                       self.step + 1)
                 return compute_step(self.trained, self.optimizer, self.spec, batch.trajectories,
-                                    self.pad_id, self.device, group, reference=self.reference)
+                                    self.pad_id, self.device, group, reference=self.reference,
+                                    step=self.step + 1, stop_ids=self.stop_ids)
             except GroupBroken as err:
                 # No rank stepped: the same batch again, on the group that is left.
                 self._regroup_after(err)
@@ -478,7 +492,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
     def _rollout_totals(self) -> dict[str, tuple[bool, tuple[float, ...]]]:
         """Per rollout engine: whether it generates now (an engine of a worker in the
         trainer role stands by), and its idle seconds, occupancy seconds, generated
-        tokens, finished samples, engine-busy seconds and engine decode steps so far.
+        tokens, finished samples, engine-busy seconds, engine decode steps and groups
+        dynamic sampling dropped so far.
         An engine whose stats could not be read
         now is left out (of this step's rollout metrics, and of the next one's)."""
         out = {}
@@ -489,20 +504,21 @@ class TrainLoop(GroupMembership, WeightPublisher):
             out[c.address] = (s.state != "standby",
                               (s.idle_seconds_total, s.occupancy_seconds_total,
                                float(s.generated_tokens_total), float(s.finished_samples_total),
-                               s.engine_busy_seconds_total, float(s.engine_decode_steps_total)))
+                               s.engine_busy_seconds_total, float(s.engine_decode_steps_total),
+                               float(s.filtered_groups_total)))
         return out
 
     @staticmethod
     def _rollout_delta(before: dict, now: dict) -> list[float]:
-        """The step's idle, occupancy, tokens, samples, engine-busy seconds and decode
-        steps over the engines generating now, and their number."""
+        """The step's idle, occupancy, tokens, samples, engine-busy seconds, decode
+        steps and filtered groups over the engines generating now, and their number."""
         active = [(totals, before.get(address, (True, totals))[1])
                   for address, (generating, totals) in now.items() if generating]
         # A replaced worker's counters start again from zero: its totals are all
         # this step's.
         active = [(t, b if all(x >= y for x, y in zip(t, b)) else (0.0,) * len(t))
                   for t, b in active]
-        sums = [sum(t[k] - b[k] for t, b in active) for k in range(6)]
+        sums = [sum(t[k] - b[k] for t, b in active) for k in range(7)]
         return [*sums, float(len(active))]
 
     @property

@@ -162,20 +162,36 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
+def suppressed_stop_correction(logits: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """log(1 - Σ_{s ∈ stops} p_s) per position of float32 `logits` [..., V]: what a
+    token's log-prob gains where the engine sampled with the stop tokens masked
+    (min_tokens, core.types.Trajectory.min_tokens). Differentiable: under
+    min_tokens the policy *is* the masked law."""
+    log_stop = torch.logsumexp(logits[..., stop_ids], dim=-1) - torch.logsumexp(logits, dim=-1)
+    # A position where the stops hold all the mass cannot have sampled a non-stop token.
+    return torch.log1p(-torch.exp(log_stop).clamp(max=1.0 - 1e-6))
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    temperature: float, suppress: torch.Tensor | None = None,
+                    stop_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # Divided before the cast, as the full-logits path does: the same numbers.
     logits = (head(hidden) / temperature).float()
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1), token_entropy(logits)
+    logprobs = picked - torch.logsumexp(logits, dim=-1)
+    if suppress is not None:
+        logprobs = logprobs - suppress * suppressed_stop_correction(logits, stop_ids)
+    return logprobs, token_entropy(logits)
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
                            temperature: float = 1.0, chunk_tokens: int = 1024,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, suppress: torch.Tensor | None = None,
+                           stop_ids: torch.Tensor | None = None):
     """log softmax(head(hidden) / temperature)[target] per position, `chunk_tokens`
     positions at a time (and with `with_entropy`, the entropy of that softmax per
-    position, detached: a (logprobs, entropy) pair).
+    position, detached: a (logprobs, entropy) pair). Where `suppress` [B, T] is 1
+    the law is that softmax without the `stop_ids` (suppressed_stop_correction).
 
     Shapes: hidden [B, T, H], targets [B, T] -> [B, T] float32. With autograd on,
     each chunk runs under a non-reentrant checkpoint, so the backward pass keeps
@@ -189,15 +205,20 @@ def chunked_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: to
     batch, length = targets.shape
     flat_hidden = hidden.reshape(batch * length, hidden.shape[-1])
     flat_targets = targets.reshape(batch * length)
+    flat_suppress = suppress.reshape(batch * length) if suppress is not None else None
     keep_graph = torch.is_grad_enabled()
     pieces, entropies = [], []
     for start in range(0, batch * length, chunk_tokens):
         h = flat_hidden[start:start + chunk_tokens]
         t = flat_targets[start:start + chunk_tokens]
+        sup = flat_suppress[start:start + chunk_tokens] if flat_suppress is not None else None
+        if sup is not None and not bool(sup.any()):
+            sup = None
         if keep_graph:
-            logp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False)
+            logp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature, sup, stop_ids,
+                                   use_reentrant=False)
         else:
-            logp, ent = _chunk_logprobs(h, t, head, temperature)
+            logp, ent = _chunk_logprobs(h, t, head, temperature, sup, stop_ids)
         pieces.append(logp)
         entropies.append(ent)
     if not pieces:

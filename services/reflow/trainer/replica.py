@@ -117,7 +117,7 @@ class TrainerReplica:
                     # loop.load() built the same frozen reference as the leader's.
                     compute_step(loop.trained, loop.optimizer, loop.spec, trajectories,
                                  loop.pad_id, loop.device, group, reference=loop.reference,
-                                 step=step)
+                                 step=step, stop_ids=loop.stop_ids)
                     self.step = step
                     self.steps_trained += 1
                 elif op in SHARDED_OPS and loop.root is not None:

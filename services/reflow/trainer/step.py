@@ -27,7 +27,8 @@ from reflow.core import plugins
 from reflow.core.config import JobSpec
 from reflow.core.types import Trajectory
 from reflow.trainer.loss import (LossStats, chunked_token_logprobs, policy_loss, reference_kl,
-                                 replay_sample_weights, token_entropy, token_logprobs)
+                                 replay_sample_weights, suppressed_stop_correction, token_entropy,
+                                 token_logprobs)
 
 if TYPE_CHECKING:
     from reflow.trainer.dp import TrainerGroup
@@ -52,6 +53,8 @@ class TensorBatch:
     versions: torch.Tensor | None = None
     # A recomputed proximal policy's log-probs, [B, T-1], where one was scored.
     proximal: torch.Tensor | None = None
+    # 1 where the engine sampled with the stop tokens masked (min_tokens), [B, T-1].
+    suppress: torch.Tensor | None = None
 
 
 def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device,
@@ -66,6 +69,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device,
     old = torch.zeros((n, length - 1), dtype=torch.float32)
     mask = torch.zeros((n, length - 1), dtype=torch.float32)
     versions = torch.zeros((n, length - 1), dtype=torch.float32)
+    suppress = torch.zeros((n, length - 1), dtype=torch.float32)
     prox = torch.zeros((n, length - 1), dtype=torch.float32) if proximal is not None else None
     for i, t in enumerate(trajectories):
         p, r = len(t.prompt_ids), len(t.response_ids)
@@ -78,10 +82,22 @@ def collate(trajectories: list[Trajectory], pad_id: int, device: torch.device,
             [float(s.policy_version) for s in t.segments for _ in range(s.num_tokens)])
         if prox is not None:
             prox[i, p - 1 : p - 1 + r] = proximal[i].to(torch.float32).cpu()
+        if t.min_tokens:
+            suppress[i, p - 1 : p - 1 + r] = torch.tensor(_suppressed(t.loss_mask, t.min_tokens))
     adv = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
     return TensorBatch(
         input_ids.to(device), attention.to(device), old.to(device), mask.to(device), adv.to(device),
-        versions.to(device), prox.to(device) if prox is not None else None)
+        versions.to(device), prox.to(device) if prox is not None else None, suppress.to(device))
+
+
+def _suppressed(loss_mask: list[int], min_tokens: int) -> list[float]:
+    """1.0 at the first `min_tokens` tokens of each policy turn (each run of loss-mask
+    ones): where the engine sampled with the stop tokens masked."""
+    out, run = [], 0
+    for m in loss_mask:
+        run = run + 1 if m else 0
+        out.append(1.0 if m and run <= min_tokens else 0.0)
+    return out
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
@@ -117,9 +133,12 @@ def _plain_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, temperature: float,
-                      chunk_tokens: int | None, with_entropy: bool = False):
+                      chunk_tokens: int | None, with_entropy: bool = False,
+                      suppress: torch.Tensor | None = None,
+                      stop_ids: torch.Tensor | None = None):
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) under softmax(logits / T),
-    [B, T-1] float32: the law the engine sampled from. With `with_entropy`, a
+    [B, T-1] float32: the law the engine sampled from, which where `suppress`
+    [B, T-1] is 1 excludes the `stop_ids` (min_tokens). With `with_entropy`, a
     (logprobs, entropy) pair, the entropy of that law per position, detached.
 
     `chunk_tokens` None (or a model whose logits are not a plain projection):
@@ -134,12 +153,17 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
                            type(model).__name__)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         logprobs = token_logprobs(logits / temperature, input_ids[:, 1:])
+        if suppress is not None and stop_ids is not None and bool(suppress.any()):
+            logprobs = logprobs - suppress * suppressed_stop_correction(
+                (logits / temperature).float(), stop_ids)
         return (logprobs, token_entropy(logits / temperature)) if with_entropy else logprobs
     # No KV cache: nothing is generated, and the backward keeps K and V anyway.
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               use_cache=False).last_hidden_state
+    if stop_ids is None:
+        suppress = None
     return chunked_token_logprobs(hidden[:, :-1], input_ids[:, 1:], head, temperature,
-                                  chunk_tokens, with_entropy)
+                                  chunk_tokens, with_entropy, suppress, stop_ids)
 
 
 def _objective(spec: JobSpec) -> tuple[PolicyLoss, Aggregation, ClipRange]:
@@ -162,7 +186,8 @@ def _minibatches(n: int, num: int) -> list[list[int]]:
 def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec,
                  trajectories: list[Trajectory], pad_id: int, device: torch.device,
                  group: TrainerGroup | None = None,
-                 reference: torch.nn.Module | None = None, step: int | None = None):
+                 reference: torch.nn.Module | None = None, step: int | None = None,
+                 stop_ids: list[int] | None = None):
     """Gradient of this rank's share of the batch, summed over the group, then one
     clipped optimizer step per minibatch (trainer.num_minibatches). Returns
     ((LossStats, grad_norm), per-sample stats); every rank returns the same.
@@ -170,7 +195,9 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
     `step`: the step being trained (1-based), which places the batch's tokens in
     versions and optimizer updates (staleness slices, `interpolate`). With an
     FSDP group (fsdp.ShardedGroup) `model` is its root (fsdp.PolicyScorer) and
-    FSDP sums the gradients."""
+    FSDP sums the gradients. `stop_ids`: the model's stop tokens, which the engine
+    masks under a sample's min_tokens (models/tokens.py); the trainer scores those
+    positions under the same masked law."""
     kl_coef = spec.trainer.kl_coef
     if kl_coef > 0.0 and reference is None:
         raise ValueError("trainer.kl_coef > 0 needs the reference model; this trainer "
@@ -191,10 +218,15 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
     sharded = getattr(group, "sharded", False)
     spread = group is not None and group.world_size > 1
 
-    def score(net, ids, mask, with_entropy=False):
+    stops = (torch.tensor(stop_ids, dtype=torch.long, device=device)
+             if stop_ids and any(t.min_tokens for t in trajectories) else None)
+
+    def score(net, ids, mask, with_entropy=False, suppress=None):
+        suppress = suppress if stops is not None else None
         if sharded and net is model:  # the FSDP root scores in its own forward
-            return net(ids, mask, temperature, chunk, with_entropy)
-        return sequence_logprobs(net, ids, mask, temperature, chunk, with_entropy)
+            return net(ids, mask, temperature, chunk, with_entropy, suppress, stops)
+        return sequence_logprobs(net, ids, mask, temperature, chunk, with_entropy, suppress,
+                                 stops)
 
     def plan_for(positions: list[int]) -> list[list[int]]:
         mine = positions
@@ -227,7 +259,8 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
                         score(model, ids, torch.ones_like(ids))
                         continue
                     tb = collate([trajectories[i] for i in indices], pad_id, device)
-                    logprobs = score(model, tb.input_ids, tb.attention_mask)
+                    logprobs = score(model, tb.input_ids, tb.attention_mask,
+                                     suppress=tb.suppress)
                     for row, i in enumerate(indices):
                         p, r = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
                         recomputed[i] = logprobs[row, p - 1:p - 1 + r].detach()
@@ -266,9 +299,11 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
             ref_logprobs = None
             if kl_coef > 0.0:
                 with torch.no_grad():
-                    ref_logprobs = score(reference, tb.input_ids, tb.attention_mask)
+                    ref_logprobs = score(reference, tb.input_ids, tb.attention_mask,
+                                         suppress=tb.suppress)
             # The engine sampled from softmax(logits / T); score under the same law.
-            new_logprobs, entropy = score(model, tb.input_ids, tb.attention_mask, True)
+            new_logprobs, entropy = score(model, tb.input_ids, tb.attention_mask, True,
+                                          tb.suppress)
             proximal = proximal_logprobs(alg, new_logprobs, tb.old_logprobs, tb.proximal,
                                          tb.versions, clock)
             token_weights, masked = importance_weights(alg, proximal, tb.old_logprobs,

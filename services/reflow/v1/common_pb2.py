@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/common.proto\x12\treflow.v1\"5\n\x07Segment\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\x98\x02\n\nTrajectory\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x11\n\tloss_mask\x18\x06 \x03(\x05\x12$\n\x08segments\x18\x07 \x03(\x0b\x32\x12.reflow.v1.Segment\x12\x0e\n\x06reward\x18\x08 \x01(\x02\x12\x11\n\tadvantage\x18\t \x01(\x02\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x0c\n\x04uses\x18\x0c \x01(\x05\x12\x14\n\x0creward_error\x18\r \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x89\x02\n\x0fStartJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x16\n\x0ereplay_address\x18\x03 \x01(\t\x12\x19\n\x11rollout_addresses\x18\x04 \x03(\t\x12\x0f\n\x07run_dir\x18\x05 \x01(\t\x12\x18\n\x10weight_sync_rank\x18\x06 \x01(\x05\x12\x1e\n\x16weight_sync_world_size\x18\x07 \x01(\x05\x12\x14\n\x0ctrainer_host\x18\x08 \x01(\t\x12\x15\n\rtrainer_peers\x18\t \x03(\t\x12\x13\n\x0bleader_host\x18\n \x01(\t\x12\x13\n\x0bresume_from\x18\x0b \x01(\t\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16reflow/v1/common.proto\x12\treflow.v1\"5\n\x07Segment\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"\xac\x02\n\nTrajectory\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x04 \x03(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x11\n\tloss_mask\x18\x06 \x03(\x05\x12$\n\x08segments\x18\x07 \x03(\x0b\x32\x12.reflow.v1.Segment\x12\x0e\n\x06reward\x18\x08 \x01(\x02\x12\x11\n\tadvantage\x18\t \x01(\x02\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x0c\n\x04uses\x18\x0c \x01(\x05\x12\x14\n\x0creward_error\x18\r \x01(\t\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x89\x02\n\x0fStartJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tspec_json\x18\x02 \x01(\t\x12\x16\n\x0ereplay_address\x18\x03 \x01(\t\x12\x19\n\x11rollout_addresses\x18\x04 \x03(\t\x12\x0f\n\x07run_dir\x18\x05 \x01(\t\x12\x18\n\x10weight_sync_rank\x18\x06 \x01(\x05\x12\x1e\n\x16weight_sync_world_size\x18\x07 \x01(\x05\x12\x14\n\x0ctrainer_host\x18\x08 \x01(\t\x12\x15\n\rtrainer_peers\x18\t \x03(\t\x12\x13\n\x0bleader_host\x18\n \x01(\t\x12\x13\n\x0bresume_from\x18\x0b \x01(\t\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENT']._serialized_start=37
   _globals['_SEGMENT']._serialized_end=90
   _globals['_TRAJECTORY']._serialized_start=93
-  _globals['_TRAJECTORY']._serialized_end=373
-  _globals['_JOBREF']._serialized_start=375
-  _globals['_JOBREF']._serialized_end=399
-  _globals['_STARTJOBREQUEST']._serialized_start=402
-  _globals['_STARTJOBREQUEST']._serialized_end=667
-  _globals['_ACK']._serialized_start=669
-  _globals['_ACK']._serialized_end=703
+  _globals['_TRAJECTORY']._serialized_end=393
+  _globals['_JOBREF']._serialized_start=395
+  _globals['_JOBREF']._serialized_end=419
+  _globals['_STARTJOBREQUEST']._serialized_start=422
+  _globals['_STARTJOBREQUEST']._serialized_end=687
+  _globals['_ACK']._serialized_start=689
+  _globals['_ACK']._serialized_end=723
 # @@protoc_insertion_point(module_scope)

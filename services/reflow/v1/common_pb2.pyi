@@ -15,7 +15,7 @@ class Segment(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("sample_id", "group_id", "prompt_ids", "response_ids", "logprobs", "loss_mask", "segments", "reward", "advantage", "finish_reason", "created_at", "uses", "reward_error")
+    __slots__ = ("sample_id", "group_id", "prompt_ids", "response_ids", "logprobs", "loss_mask", "segments", "reward", "advantage", "finish_reason", "created_at", "uses", "reward_error", "min_tokens")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Trajectory(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     USES_FIELD_NUMBER: _ClassVar[int]
     REWARD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -42,7 +43,8 @@ class Trajectory(_message.Message):
     created_at: float
     uses: int
     reward_error: str
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., uses: _Optional[int] = ..., reward_error: _Optional[str] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., created_at: _Optional[float] = ..., uses: _Optional[int] = ..., reward_error: _Optional[str] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

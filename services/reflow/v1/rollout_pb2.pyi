@@ -156,7 +156,7 @@ class UpdateWeightsReply(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., pause_s: _Optional[float] = ..., receive_s: _Optional[float] = ...) -> None: ...
 
 class RolloutStats(_message.Message):
-    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total", "engine_startup_s", "kv_usage_seconds_total", "preempted_requests_total", "kv_cache_tokens", "concurrency_cap", "engine_busy_seconds_total", "engine_decode_steps_total")
+    __slots__ = ("generated_tokens_total", "finished_samples_total", "idle_seconds_total", "inflight_samples", "policy_version", "state", "error", "occupancy_seconds_total", "engine_startup_s", "kv_usage_seconds_total", "preempted_requests_total", "kv_cache_tokens", "concurrency_cap", "engine_busy_seconds_total", "engine_decode_steps_total", "filtered_groups_total")
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class RolloutStats(_message.Message):
     CONCURRENCY_CAP_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DECODE_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     generated_tokens_total: int
     finished_samples_total: int
     idle_seconds_total: float
@@ -187,4 +188,5 @@ class RolloutStats(_message.Message):
     concurrency_cap: int
     engine_busy_seconds_total: float
     engine_decode_steps_total: int
-    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ..., engine_startup_s: _Optional[float] = ..., kv_usage_seconds_total: _Optional[float] = ..., preempted_requests_total: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., concurrency_cap: _Optional[int] = ..., engine_busy_seconds_total: _Optional[float] = ..., engine_decode_steps_total: _Optional[int] = ...) -> None: ...
+    filtered_groups_total: int
+    def __init__(self, generated_tokens_total: _Optional[int] = ..., finished_samples_total: _Optional[int] = ..., idle_seconds_total: _Optional[float] = ..., inflight_samples: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., occupancy_seconds_total: _Optional[float] = ..., engine_startup_s: _Optional[float] = ..., kv_usage_seconds_total: _Optional[float] = ..., preempted_requests_total: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., concurrency_cap: _Optional[int] = ..., engine_busy_seconds_total: _Optional[float] = ..., engine_decode_steps_total: _Optional[int] = ..., filtered_groups_total: _Optional[int] = ...) -> None: ...

@@ -103,13 +103,14 @@ def test_gspo_takes_one_ratio_per_sequence_as_verl_does():
 def test_cispo_weights_every_token_and_zeroes_none():
     new = NEW.clone().requires_grad_(True)
     total, zeroed = _loss(CISPOLoss(), clip=ClipRange(0.2, 0.28), new=new)
-    # Weights clip(r): 1.28, 1.0 (A=+1) and 0.8 (A=-1), each times -A·log π.
-    expected = -(1.28 * L(0.5) + 1.0 * L(0.25) - 0.8 * L(0.1)) / 3
+    # Weights min(r, 1.28): 1.28, 1.0 (A=+1) and 0.5 (A=-1: no lower bound), each
+    # times -A·log π.
+    expected = -(1.28 * L(0.5) + 1.0 * L(0.25) - 0.5 * L(0.1)) / 3
     assert total.item() == pytest.approx(expected, rel=1e-6)
     assert not zeroed.any()
     total.backward()
     assert new.grad[0].tolist() == pytest.approx([-1.28 / 3, -1.0 / 3])
-    assert new.grad[1, 0].item() == pytest.approx(0.8 / 3)
+    assert new.grad[1, 0].item() == pytest.approx(0.5 / 3)
 
 
 def test_importance_weights_per_token_sequence_and_geometric_mean():

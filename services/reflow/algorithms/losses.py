@@ -103,15 +103,16 @@ class GSPOLoss(PolicyLoss):
 
 
 class CISPOLoss(PolicyLoss):
-    """CISPO: the clipped ratio as a stop-gradient weight on each token's
-    log-probability, -sg[clip(r)]·A·log π (MiniMax-M1, 2025). No token loses its
-    gradient to the clip; a large ratio only stops growing its weight."""
+    """CISPO: the ratio, capped at 1 + ε_high, as a stop-gradient weight on each
+    token's log-probability, -sg[min(r, 1 + ε_high)]·A·log π (MiniMax-M1, 2025,
+    which sets no lower bound: ε_low is not used). No token loses its gradient
+    to the cap; a large ratio only stops growing its weight."""
 
     default_clip_high = 0.28
 
     def token_terms(self, new_logprobs, proximal_logprobs, advantages, mask, clip):
         ratio = torch.exp((new_logprobs - proximal_logprobs) * mask)
-        weight = torch.clamp(ratio, 1.0 - clip.low, 1.0 + clip.high).detach()
+        weight = torch.clamp(ratio, max=1.0 + clip.high).detach()
         terms = -weight * advantages.unsqueeze(-1) * new_logprobs
         return terms, torch.zeros_like(mask, dtype=torch.bool)
 

@@ -28,8 +28,8 @@ class AlgorithmConfig(_Section):
         "symmetric clip), `dapo` (clip-higher: ε_high 0.28 unless set), `dr_grpo` (sums "
         "token losses over a constant, advantages without the std division), `gspo` (one "
         "ratio per sequence, the geometric mean of its tokens'; set trainer.clip_eps and "
-        "algorithm.clip_eps_high to GSPO's 3e-4 and 4e-4), `cispo` (the clipped ratio as a "
-        "stop-gradient weight on every token's log-probability); operators add more as "
+        "algorithm.clip_eps_high to GSPO's 3e-4 and 4e-4), `cispo` (the ratio capped at 1 + "
+        "ε_high as a stop-gradient weight on every token's log-probability); operators add more as "
         "entry points in group `reflow.policy_losses`.")
     loss_args: PluginArgs = Field(
         default_factory=dict,
@@ -49,7 +49,7 @@ class AlgorithmConfig(_Section):
     clip_eps_high: float | None = Field(
         default=None, gt=0.0, le=10.0,
         description="ε_high: the upper clip of the ratio, 1 + ε_high (DAPO's clip-higher). "
-        "None: the loss's default (dapo 0.28, cispo 0.28 of the weight), else "
+        "None: the loss's default (dapo 0.28, cispo 0.28: its weight's cap), else "
         "trainer.clip_eps (ε, the lower clip, 1 - ε).")
     advantage: str | None = Field(
         default=None, min_length=1, max_length=128,

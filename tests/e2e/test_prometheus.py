@@ -15,7 +15,7 @@ import pytest
 
 from reflow import procs
 
-from tests.e2e.test_cli import QUICKSTART, REPO
+from tests.e2e.test_cli import QUICKSTART, REPO, _interruptible
 
 DASHBOARDS = sorted((REPO / "charts" / "reflow" / "dashboards").glob("*.json"))
 SERVICES = {"api", "scheduler", "replay", "rollout", "trainer"}
@@ -51,7 +51,9 @@ def test_every_dashboard_query_returns_data_from_a_live_run(tmp_path, tiny_model
     run = subprocess.Popen(
         [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
          "trainer.num_steps=2000", f"model.path={tiny_model}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Stopped by Ctrl-C at the end, also from a suite started in the background.
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_interruptible)
     prom = None
     try:
         targets_file = out / "prometheus-targets.json"

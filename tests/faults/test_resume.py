@@ -23,6 +23,13 @@ def reflow(*args, timeout=120):
                           text=True, cwd=REPO, timeout=timeout)
 
 
+def _interruptible() -> None:
+    """The run's SIGINT as a terminal gives it: a suite started in the background
+    (`cmd &`, nohup) passes SIGINT on ignored, and Python keeps it ignored, so the
+    Ctrl-C below would not stop the run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _records(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -49,7 +56,7 @@ def test_a_stopped_run_resumes_from_its_stop_checkpoint(tmp_path, tiny_model):
          f"trainer.num_steps={NUM_STEPS}", "trainer.checkpoint_interval=100",
          f"trainer.batch_size={BATCH}", f"model.path={tiny_model}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=_interruptible)
     deadline = time.monotonic() + 600
     while len(_records(out / "metrics.jsonl")) < 6:
         assert proc.poll() is None, proc.communicate()[0][-4000:]

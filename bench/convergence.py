@@ -298,26 +298,7 @@ class Run:
     x: dict[str, np.ndarray]  # axis -> per step, cumulative where a count
     evals: dict[int, float]  # policy version -> held-out reward
     elapsed_s: float | None  # the whole process, start-up included
-    offpolicy: dict[str, float]  # per-run means of the off-policy figures (OFFPOLICY)
-
-
-# Step-record figures of the off-policy correction, averaged over a run's steps (a
-# slice's over the steps that had it), and the largest token lag it trained on.
-OFFPOLICY = ("replay_fraction", "clip_fraction", "mismatch_kl", "importance_ess",
-             "stale_clip_fraction", "stale_mismatch_kl", "replayed_clip_fraction",
-             "replayed_mismatch_kl", "replayed_importance_ess", "entropy")
-
-
-def offpolicy_means(records: list[dict]) -> dict[str, float]:
-    out = {}
-    for name in OFFPOLICY:
-        values = [float(r[name]) for r in records if name in r]
-        if values:
-            out[name] = float(np.mean(values))
-    lags = [int(r["max_staleness"]) for r in records if "max_staleness" in r]
-    if lags:
-        out["max_staleness"] = float(max(lags))
-    return out
+    offpolicy: dict[str, float]  # per-run means of the off-policy figures (cs.OFFPOLICY)
 
 
 def load_run(records: list[dict], seed: int, smooth: int, elapsed_s: float | None) -> Run:
@@ -334,7 +315,7 @@ def load_run(records: list[dict], seed: int, smooth: int, elapsed_s: float | Non
     evals = {int(r["eval_policy_version"]): float(r["eval_reward"])
              for r in records if "eval_reward" in r}
     return Run(seed, reward, cs.trailing_mean(reward, smooth), x, evals, elapsed_s,
-               offpolicy_means(records))
+               cs.offpolicy_means(records))
 
 
 def load_runs(plan: Plan, steps: dict, out: Path, smooth: int) -> tuple[dict, dict]:
@@ -436,7 +417,7 @@ def analyse(plan: Plan, runs: dict[str, list[Run]], settings: dict) -> dict:
                                                         for r in rs]),
                    "offpolicy": {name: _spread([r.offpolicy[name] for r in rs
                                                 if name in r.offpolicy])
-                                 for name in (*OFFPOLICY, "max_staleness")}}
+                                 for name in (*cs.OFFPOLICY, "max_staleness")}}
         if grid.size:
             per_seed[name] = at_equal_first_use(rs, grid, fraction)
             summary["at_equal_first_use"] = {

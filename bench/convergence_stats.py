@@ -154,3 +154,22 @@ def paired_bootstrap(values: Sequence[float], reference: Sequence[float],
     if values.shape != reference.shape:
         raise ValueError("paired_bootstrap: one value per seed in each, in the same order")
     return bootstrap(values - reference, np.mean, num_resamples, seed, level)
+
+
+# Step-record figures of the off-policy correction, averaged over a run's steps (a
+# slice's over the steps that had it), and the largest token lag it trained on.
+OFFPOLICY = ("replay_fraction", "clip_fraction", "mismatch_kl", "importance_ess",
+             "stale_clip_fraction", "stale_mismatch_kl", "replayed_clip_fraction",
+             "replayed_mismatch_kl", "replayed_importance_ess", "entropy")
+
+
+def offpolicy_means(records: list[dict]) -> dict[str, float]:
+    out = {}
+    for name in OFFPOLICY:
+        values = [float(r[name]) for r in records if name in r]
+        if values:
+            out[name] = float(np.mean(values))
+    lags = [int(r["max_staleness"]) for r in records if "max_staleness" in r]
+    if lags:
+        out["max_staleness"] = float(max(lags))
+    return out

@@ -30,6 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# The rendezvous key the ranks this script starts share (a job's leader draws one
+# per group and hands it out by RPC; here every rank is a child of one run).
+BENCH_RENDEZVOUS_KEY = "be" * 16
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -96,12 +100,14 @@ def run_rank(args: argparse.Namespace) -> None:
     if args.mode == "fsdp":
         from reflow.trainer import fsdp
 
-        group = fsdp.ShardedGroup.build("127.0.0.1", args.port, args.rank, args.world, cpu)
+        group = fsdp.ShardedGroup.build("127.0.0.1", args.port, args.rank, args.world, cpu,
+                                        rendezvous_key=BENCH_RENDEZVOUS_KEY)
         model = fsdp.shard_policy(model, group.mesh, cpu)
     elif args.world > 1:
         from reflow.trainer.dp import TrainerGroup
 
-        group = TrainerGroup.build("127.0.0.1", args.port, args.rank, args.world, 0, cpu, 600.0)
+        group = TrainerGroup.build("127.0.0.1", args.port, args.rank, args.world, 0, cpu, 600.0,
+                                   rendezvous_key=BENCH_RENDEZVOUS_KEY)
     phases["sharded" if args.mode == "fsdp" else "grouped"] = _rss_now()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.trainer.learning_rate)
     times = []

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
     from reflow.rollout.engine import SamplingSpec, WeightSyncSpec
     from reflow.rollout.memory import ModelShape, plan_hybrid_gpu
     from reflow.rollout.vllm_engine import VllmEngine
-    from reflow.weightsync import make_group, send_weights, specs_of
+    from reflow.weightsync import make_group, new_rendezvous_key, send_weights, specs_of
 
     cuda = torch.cuda.is_available() and not args.dry_run
     gpus = torch.cuda.device_count() if cuda else 0
@@ -152,11 +152,13 @@ def run(args: argparse.Namespace) -> dict:
         t = time.monotonic()
         if not cuda or gpus > 1:
             port, backend = free_port(), "nccl" if cuda else "gloo"
+            key = new_rendezvous_key()
             sync = WeightSyncSpec("127.0.0.1", port, 1, 2, backend,
                                   [(s.name, list(s.shape), s.dtype) for s in specs_of(named)],
-                                  256 * 2**20)
+                                  256 * 2**20, rendezvous_key=key)
             joined = asyncio.run_coroutine_threadsafe(engine.init_weight_sync(sync), loop)
-            group = make_group("127.0.0.1", port, 0, 2, backend, timeout_s=300)
+            group = make_group("127.0.0.1", port, 0, 2, backend, timeout_s=300,
+                               rendezvous_key=key)
             joined.result(300)
             t = time.monotonic()
             received = asyncio.run_coroutine_threadsafe(engine.receive_weights(), loop)

@@ -10,10 +10,21 @@ from pathlib import Path
 import pytest
 
 # Every gRPC call carries the deployment credential (reflow.rpcauth). The test
-# process stands where the scheduler does, with the control credential; the
-# services it starts as processes inherit both.
+# process stands where the scheduler and the API do, with both signing keys
+# (control calls carry capabilities signed by them); the services it starts as
+# processes inherit the keys unless a test gives them `rpcauth.role_env()`.
 os.environ.setdefault("REFLOW_GRPC_CREDENTIAL", secrets.token_urlsafe(32))
-os.environ.setdefault("REFLOW_CONTROL_CREDENTIAL", secrets.token_urlsafe(32))
+for _role in ("API", "SCHEDULER"):
+    if not os.environ.get(f"REFLOW_{_role}_SIGNING_KEY"):
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        _key = Ed25519PrivateKey.generate()
+        os.environ[f"REFLOW_{_role}_SIGNING_KEY"] = _key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()).decode()
+        os.environ[f"REFLOW_{_role}_PUBLIC_KEY"] = _key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
 REPO = Path(__file__).resolve().parents[1]
 

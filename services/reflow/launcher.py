@@ -65,8 +65,12 @@ class _Progress:
 def _start(service: str, port: int, run_dir: Path, env: dict[str, str]):
     from reflow import procs
 
+    from reflow import rpcauth
+
     args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
-    return procs.spawn(args, str(run_dir / "logs" / f"{service}.log"), env=env)
+    # Each gets the public keys, and only its own role's signing key.
+    return procs.spawn(args, str(run_dir / "logs" / f"{service}.log"),
+                       env={**env, **rpcauth.role_env(service)})
 
 
 # How long the scheduler gets to stop a job in order (a checkpoint included).
@@ -106,7 +110,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     phase = "FAILED"
     scheduler = None
     try:
-        # This run's gRPC secrets, inherited by every service it starts (rpcauth).
+        # This run's gRPC credential and signing keys (rpcauth); each service it
+        # starts gets its share (`_start`).
         rpcauth.ensure_local_credentials()
         redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync).start()
         # A Redis that dies mid-run comes back on its port from its append-only file.

@@ -16,6 +16,11 @@ policy, for the methods that are safe to send twice (`RETRIED_METHODS`, each
 with why); a caller that polls anyway tolerates a few failures in a row
 (`core.errors.ConsecutiveFailures`). Every call carries a deadline, which
 bounds its retries too.
+
+Errors: servicers only do their work and raise; one interceptor (`ErrorStatus`)
+answers whatever escapes a handler with its status code (`abort_on`), so a
+user's mistake is INVALID_ARGUMENT with its message and only a bug is INTERNAL
+(logged with its traceback).
 """
 
 from __future__ import annotations
@@ -212,6 +217,33 @@ class DeadlineScope(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
 
+class ErrorStatus(grpc.ServerInterceptor):
+    """Answers an exception that escapes a unary handler with its status code
+    (`abort_on`). Innermost: the authorizer's and the long-call guard's refusals
+    never reach it. A status the handler set itself stands: `context.abort`
+    raises once it has set the code, and that exception passes through. Unary
+    handlers only, like the other interceptors here: every reflow RPC is
+    unary-unary on a synchronous server (no streams, no grpc.aio)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner, method = handler.unary_unary, handler_call_details.method
+
+        def mapped(request, context):
+            try:
+                return inner(request, context)
+            except Exception as err:  # noqa: BLE001 - mapped to a status code
+                if context.code() is not None:  # set by the handler (context.abort)
+                    raise
+                abort_on(context, err, method)
+
+        return grpc.unary_unary_rpc_method_handler(
+            mapped, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
 def wait_budget_s(context: grpc.ServicerContext, cap_s: float = MAX_HANDLER_WAIT_S) -> float:
     """How long a handler may wait on long work: the caller's remaining deadline
     less a margin for the reply, never more than `cap_s`."""
@@ -241,12 +273,14 @@ def make_server(
     if not 1 <= limit < max_workers:
         raise ValueError(f"max_long_calls must leave handler threads free: {limit}/{max_workers}")
     guard = LongCallGuard(long_methods, limit)
+    authorizer = rpcauth.Authorizer(names, grants)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=names[0]),
         options=SERVER_OPTIONS,
         # Outermost first: the checks run within the caller's deadline (the replay's
-        # grants are in Redis), and a refused call takes no long-call slot.
-        interceptors=[DeadlineScope(), rpcauth.Authorizer(names, grants), guard],
+        # grants are in Redis), a refused call takes no long-call slot, and only
+        # what the servicer itself raises is mapped to a status code.
+        interceptors=[DeadlineScope(), authorizer, guard, ErrorStatus()],
     )
     server.long_call_guard = guard  # for tests and metrics
     register(server)
@@ -257,6 +291,8 @@ def make_server(
             else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"{'+'.join(names)}: cannot bind {address}")
+    # The address the capabilities of its control calls must name (rpcauth).
+    authorizer.bind(address, port)
     server.start()
     if tls is not None and os.environ.get(HEALTH_PORT_ENV):
         # Kubelet's gRPC probe speaks plaintext: health alone, on a port of its own.
@@ -288,7 +324,7 @@ def channel(address: str) -> grpc.Channel:
     else:
         raw = grpc.secure_channel(address, tls.channel_credentials(), options=[
             *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
-    return rpcauth.authenticated(raw)
+    return rpcauth.authenticated(raw, address)
 
 
 # Codes that say "not now" rather than "no": what a polling caller may tolerate.
@@ -328,15 +364,16 @@ def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
     raise TimeoutError(f"{address} did not become healthy in {timeout_s:.0f}s: {last}")
 
 
-def abort_on(context: grpc.ServicerContext, err: Exception) -> None:
-    """Map a core exception to a status code: user errors are INVALID_ARGUMENT,
-    a missing job NOT_FOUND, a clash ALREADY_EXISTS, a wrong state
-    FAILED_PRECONDITION, a ceiling RESOURCE_EXHAUSTED, a store or peer that
-    stayed unreachable UNAVAILABLE (callers retry it), anything else INTERNAL."""
+def abort_on(context: grpc.ServicerContext, err: Exception, method: str = "handler") -> None:
+    """Map a core exception to a status code (`ErrorStatus` calls it for every
+    server): user errors are INVALID_ARGUMENT, a missing job NOT_FOUND, a clash
+    ALREADY_EXISTS, a wrong state FAILED_PRECONDITION, a ceiling
+    RESOURCE_EXHAUSTED, a store or peer that stayed unreachable UNAVAILABLE
+    (callers retry it), anything else INTERNAL. `method` names the call in the log."""
     from reflow.core.errors import Conflict, FailedPrecondition, ResourceExhausted
 
     if isinstance(err, Unavailable):
-        logger.warning("handler: %s", err)
+        logger.warning("%s: %s", method, err)
         context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
     if isinstance(err, FailedPrecondition):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
@@ -350,5 +387,5 @@ def abort_on(context: grpc.ServicerContext, err: Exception) -> None:
         context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
     if isinstance(err, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    logger.exception("internal error in handler")
+    logger.exception("%s: internal error", method)
     context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")

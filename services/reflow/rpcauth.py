@@ -1,30 +1,31 @@
 """Who may call what over gRPC: authentication of every call, authorization
-by job, and the optional TLS under both.
+by role and job, and the optional TLS under both.
 
-Three secrets, in call metadata:
+What a call carries, in its metadata:
 - the **deployment credential** (`x-reflow-credential`): every ReFlow process
   holds it (on Kubernetes a Secret the chart creates once and keeps, or one the
   user names; locally a random one per `reflow run`). A call without it, or
   with another, is UNAUTHENTICATED, before anything of the request is read.
-- the **control credential** (`x-reflow-control`): held by the scheduler and the
-  API only. The services that take the scheduler's orders hold just its SHA-256
-  (`REFLOW_CONTROL_CREDENTIAL_SHA256`), so a worker can tell the scheduler's
-  calls from others without being able to make them. The calls that assign a
-  job, its peers or a role (`CONTROL_METHODS`) need it: only the scheduler
-  points a trainer at a replay buffer or rollout workers.
-- a **job token** (`x-reflow-job-token`): the scheduler issues one per job at
-  placement (`scheduler.jobs.JobStore.job_token`). A control call naming a job
-  grants that job's token on the server it reaches; every other call naming the
-  job must carry that token, or it is PERMISSION_DENIED. A call naming no job is
-  the scheduler's alone. A server that holds no grant for a job runs nothing of
-  it and answers NOT_FOUND, as it would for any job it does not run.
+  It proves "a process of this deployment", nothing more.
+- a **capability** (`x-reflow-capability`, reflow.capabilities): a control
+  call's proof, signed with the calling role's Ed25519 key for that one method,
+  at that one server, on that request body, for two minutes, once. The API
+  signs its calls on the scheduler; the scheduler signs every call it makes
+  (those that assign a job, its peers or a role need it). Servers hold only
+  the public keys, so nothing a worker receives lets it make a control call:
+  `CONTROL_TABLE` below says which role each control method needs.
+- a **job pass** (`x-reflow-job-token`): every other call names a job and
+  carries the caller's pass, signed by the scheduler (capabilities.issue_pass):
+  this holder works for this job as a rollout or a trainer, for 15 minutes.
+  JOB_CALLERS says which roles' passes each method takes. The scheduler hands a
+  worker a fresh pass with each call it makes to it (the callee's role: a
+  Rollout call carries a rollout pass), and the worker sends it with its own
+  calls for the job from the process's book (core.grants.JOB_TOKENS).
 
-Grants live where the server's state does: in memory for rollout, trainer and
-worker (a restarted process is granted again when the scheduler starts the job
-on it), in Redis for the replay buffer (its state outlives the process; only a
-digest is stored). The same book of tokens serves the client side: a process
-sends each call naming a job with the token it was granted (or, the scheduler,
-issued) for that job, so no caller passes tokens around by hand.
+A server runs a job once the scheduler's GRANTING call started it there (the
+replay buffer: any of the scheduler's calls naming it, kept in Redis so that it
+outlives a restart and every replica sees it); REVOKING calls end it there, and
+from then on the job's passes get NOT_FOUND, as for a job the server never ran.
 
 Secrets are compared in constant time, as digests. Health checks
 (grpc.health.v1) need nothing: a kubelet probe holds no credential.
@@ -39,51 +40,44 @@ that name.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
+import socket
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from reflow import capabilities as caps
+from reflow.authz import (_CALLEE_ROLE, CONTROL_TABLE, GRANTING, JOB_CALLERS,  # noqa: F401
+                          NO_JOB_ROLE, REVOKING, SERVICES, authorization_markdown,
+                          authorization_rows, control_methods, job_callers)
 from reflow.core.errors import Unavailable
 from reflow.core.grants import JOB_TOKENS, RedisGrants, digest
 
 CREDENTIAL_ENV = "REFLOW_GRPC_CREDENTIAL"
-CONTROL_ENV = "REFLOW_CONTROL_CREDENTIAL"
-CONTROL_DIGEST_ENV = "REFLOW_CONTROL_CREDENTIAL_SHA256"
+# Per signing role: its private key (that role's processes only) and its public
+# key (every process that verifies the role's calls). PEM, or a file holding it.
+SIGNING_KEY_ENVS = {"api": "REFLOW_API_SIGNING_KEY", "scheduler": "REFLOW_SCHEDULER_SIGNING_KEY"}
+PUBLIC_KEY_ENVS = {"api": "REFLOW_API_PUBLIC_KEY", "scheduler": "REFLOW_SCHEDULER_PUBLIC_KEY"}
+# More names a server answers to, comma-separated (a Service's DNS names): the
+# audiences its capabilities may carry besides its own address.
+ADVERTISE_HOSTS_ENV = "REFLOW_ADVERTISE_HOSTS"
+POD_IP_ENV = "REFLOW_POD_IP"
 TLS_CERT_ENV = "REFLOW_TLS_CERT_FILE"
 TLS_KEY_ENV = "REFLOW_TLS_KEY_FILE"
 TLS_CA_ENV = "REFLOW_TLS_CA_FILE"
 TLS_SERVER_NAME_ENV = "REFLOW_TLS_SERVER_NAME"
 
 CREDENTIAL_KEY = "x-reflow-credential"
-CONTROL_KEY = "x-reflow-control"
+CAPABILITY_KEY = "x-reflow-capability"
 JOB_TOKEN_KEY = "x-reflow-job-token"  # nosec B105 # a metadata key, not a secret
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 MIN_SECRET_CHARS = 16
 
-# The calls only the scheduler (or the API, through it) makes, and why.
-CONTROL_METHODS: dict[str, dict[str, str]] = {
-    "reflow.v1.Scheduler": {
-        "*": "job administration: the API's calls on a user's behalf",
-    },
-    "reflow.v1.Rollout": {
-        "StartJob": "names the replay buffer and trainer the engine works for",
-        "StopJob": "ends a job on the worker",
-        "SetSyncPlace": "moves the engine within the trainer's weight-sync group",
-    },
-    "reflow.v1.Trainer": {
-        "StartJob": "names the replay buffer, rollout workers and peers the trainer trusts",
-        "StopJob": "ends a job on the trainer",
-        "Reconfigure": "names the trainer group's members and the engines it publishes to",
-    },
-    "reflow.v1.Worker": {
-        "SetRole": "flips a worker between trainer and rollout",
-    },
-}
 
 
 def _same(secret: str, expected_digest: str) -> bool:
@@ -103,11 +97,12 @@ def _read_secret(env: str) -> str:
 
 @dataclass(frozen=True)
 class Credentials:
-    """This process's secrets, as digests where it only verifies."""
+    """This process's deployment credential, the roles it signs as (their private
+    keys) and the roles whose calls it can verify (their public keys)."""
 
     credential: str
-    control: str  # "" unless this process is the scheduler or the API
-    control_digest: str
+    signing: dict = field(default_factory=dict)  # role -> Ed25519PrivateKey
+    trusted: dict = field(default_factory=dict)  # role -> Ed25519PublicKey
 
     @classmethod
     def from_env(cls) -> "Credentials":
@@ -116,9 +111,17 @@ class Credentials:
             raise RuntimeError(
                 f"no gRPC credential: set {CREDENTIAL_ENV} or {CREDENTIAL_ENV}_FILE (on "
                 "Kubernetes the chart mounts its Secret; `reflow run` makes one per run)")
-        control = _read_secret(CONTROL_ENV)
-        control_digest = digest(control) if control else os.environ.get(CONTROL_DIGEST_ENV, "")
-        return cls(credential, control, control_digest.lower())
+        signing, trusted = {}, {}
+        for role, env in SIGNING_KEY_ENVS.items():
+            pem = _read_secret(env)
+            if pem:
+                signing[role] = caps.load_private_key(pem, env)
+                trusted[role] = signing[role].public_key()
+        for role, env in PUBLIC_KEY_ENVS.items():
+            pem = _read_secret(env)
+            if pem:
+                trusted[role] = caps.load_public_key(pem, env)
+        return cls(credential, signing, trusted)
 
 
 _lock = threading.Lock()
@@ -141,18 +144,40 @@ def reset_credentials() -> None:
 
 
 def ensure_local_credentials() -> None:
-    """A local run's secrets, made once per launcher run where none are set; the
-    processes it starts inherit them."""
+    """A local run's secrets, made once per launcher run where none are set: the
+    deployment credential and a key pair per signing role. The processes it
+    starts inherit them through `role_env`, each only its own private key."""
     os.environ.setdefault(CREDENTIAL_ENV, secrets.token_urlsafe(32))
-    os.environ.setdefault(CONTROL_ENV, secrets.token_urlsafe(32))
+    for role, env in SIGNING_KEY_ENVS.items():
+        if not (os.environ.get(env) or os.environ.get(f"{env}_FILE")):
+            key = caps.new_private_key()
+            os.environ[env] = caps.private_pem(key)
+            os.environ[PUBLIC_KEY_ENVS[role]] = caps.public_pem(key)
+        elif not (os.environ.get(PUBLIC_KEY_ENVS[role])
+                  or os.environ.get(f"{PUBLIC_KEY_ENVS[role]}_FILE")):
+            os.environ[PUBLIC_KEY_ENVS[role]] = caps.public_pem(
+                caps.load_private_key(_read_secret(env), env))
     reset_credentials()
 
 
+def role_env(role: str | None = None) -> dict[str, str]:
+    """The environment overrides of a process this one starts: every public key
+    this process trusts, and of the private keys only `role`'s ("api",
+    "scheduler"; None: a service that signs nothing)."""
+    creds = credentials()
+    env: dict[str, str] = {}
+    for name, key_env in SIGNING_KEY_ENVS.items():
+        if name != role:
+            env[key_env] = env[f"{key_env}_FILE"] = ""
+    for name, key in creds.trusted.items():
+        env[PUBLIC_KEY_ENVS[name]] = caps.public_pem(key)
+        env[f"{PUBLIC_KEY_ENVS[name]}_FILE"] = ""
+    return env
+
+
 def service_env() -> dict[str, str]:
-    """What a process the scheduler starts gets instead of the control credential:
-    its digest, to verify the scheduler's calls by."""
-    return {CONTROL_ENV: "", f"{CONTROL_ENV}_FILE": "",
-            CONTROL_DIGEST_ENV: credentials().control_digest}
+    """What a service the scheduler starts gets: the public keys, no private one."""
+    return role_env(None)
 
 
 # --- the server side --------------------------------------------------------
@@ -166,43 +191,60 @@ def _refusal(code: grpc.StatusCode, details: str):
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def control_methods(service_names: Iterable[str]) -> frozenset[str]:
-    """Full method names ("/pkg.Service/Method") of CONTROL_METHODS for these services;
-    "*" stands for every method of the service."""
-    from google.protobuf import descriptor_pool
-
-    import reflow.v1  # noqa: F401 - registers the descriptors
-    from reflow.v1 import (replay_pb2, rollout_pb2, scheduler_pb2, trainer_pb2,  # noqa: F401
-                           worker_pb2)
-
-    pool = descriptor_pool.Default()
-    names = set()
-    for service in service_names:
-        declared = {m.name for m in pool.FindServiceByName(service).methods}
-        methods = set(CONTROL_METHODS.get(service, {}))
-        if "*" in methods:
-            methods = declared
-        if methods - declared:  # a misspelt name would protect nothing
-            raise ValueError(f"CONTROL_METHODS names {sorted(methods - declared)}, which "
-                             f"{service} does not declare")
-        names.update(f"/{service}/{m}" for m in methods)
-    return frozenset(names)
+def own_audiences(host: str, port: int) -> frozenset[str]:
+    """The addresses a server bound at host:port answers to, as capabilities
+    name them: its bind address; bound to every interface, its pod IP, the names
+    in REFLOW_ADVERTISE_HOSTS, its host name and the loopback names (a caller on
+    the same host)."""
+    host = host.strip("[]").lower()
+    hosts = {host}
+    if host in ("0.0.0.0", "::", ""):  # nosec B104 # naming a wildcard, not binding one
+        hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname().lower()}
+        hosts.update(h.strip().lower() for h in os.environ.get(ADVERTISE_HOSTS_ENV, "").split(",")
+                     if h.strip())
+        if os.environ.get(POD_IP_ENV):
+            hosts.add(os.environ[POD_IP_ENV].strip().lower())
+    elif host == "localhost":
+        hosts.update({"127.0.0.1", "::1"})
+    out = set()
+    for h in hosts:
+        try:
+            literal = ipaddress.ip_address(h)
+            out.add(f"[{h}]:{port}" if literal.version == 6 else f"{h}:{port}")
+        except ValueError:
+            out.add(f"{h}:{port}")
+    return frozenset(out)
 
 
 class Authorizer(grpc.ServerInterceptor):
-    """Every call: the deployment credential (UNAUTHENTICATED without it), then the
-    control credential for CONTROL_METHODS and calls naming no job, then the job
-    token of the job the request names (PERMISSION_DENIED without it). Before the
-    long-call guard: a refused call takes no long-call slot."""
+    """Every call: the deployment credential (UNAUTHENTICATED without it); then, for
+    the methods of CONTROL_TABLE and every call naming no job, a capability of the
+    role it needs, addressed to this server, for this request, unexpired and not
+    spent before; every other call, the token of the job it names
+    (PERMISSION_DENIED without it). Before the long-call guard: a refused call
+    takes no long-call slot. `bind` tells it the address it serves at."""
 
     def __init__(self, service_names: Iterable[str], grants=None) -> None:
         self.creds = credentials()
-        if not self.creds.control_digest:
-            raise RuntimeError(f"no way to tell the scheduler's calls: set {CONTROL_DIGEST_ENV} "
-                               f"(or, the scheduler and the API, {CONTROL_ENV})")
-        self._credential_digest = digest(self.creds.credential)
         self.control = control_methods(service_names)
+        needed = set(self.control.values()) | {NO_JOB_ROLE}
+        missing = sorted(needed - set(self.creds.trusted))
+        if missing:
+            raise RuntimeError(
+                "no way to verify the calls of " + ", ".join(missing) + ": set " +
+                " or ".join(PUBLIC_KEY_ENVS[r] for r in missing) + " (or its _FILE)")
+        self.callers = job_callers(service_names)
+        self._credential_digest = digest(self.creds.credential)
         self.grants = grants if grants is not None else JOB_TOKENS
+        # The replay buffer is put on a job by any of the scheduler's calls naming
+        # it (its first is a read, at placement); the workers by GRANTING calls.
+        self.grant_on_any = isinstance(self.grants, RedisGrants)
+        self.audiences: frozenset[str] = frozenset()
+        self.nonces = caps.NonceBook()
+
+    def bind(self, address: str, port: int) -> None:
+        host = address.rsplit(":", 1)[0] if ":" in address else address
+        self.audiences = own_audiences(host, port)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -212,70 +254,149 @@ class Authorizer(grpc.ServerInterceptor):
         if not _same(str(metadata.get(CREDENTIAL_KEY, "")), self._credential_digest):
             return _refusal(grpc.StatusCode.UNAUTHENTICATED,
                             f"{method}: no valid credential in {CREDENTIAL_KEY}")
-        is_control = bool(self.creds.control_digest) and _same(
-            str(metadata.get(CONTROL_KEY, "")), self.creds.control_digest)
-        if method in self.control and not is_control:
+        capability = str(metadata.get(CAPABILITY_KEY, ""))
+        role = self.control.get(method)
+        if role is not None and not capability:
             return _refusal(grpc.StatusCode.PERMISSION_DENIED,
-                            f"{method}: only the scheduler may call this")
+                            f"{method}: only the {role} may call this (no capability in "
+                            f"{CAPABILITY_KEY})")
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        inner = handler.unary_unary
+        inner, parse = handler.unary_unary, handler.request_deserializer
         token = str(metadata.get(JOB_TOKEN_KEY, ""))
 
-        def authorized(request, context):
-            job_id = str(getattr(request, "job_id", "") or "")
+        def authorized(raw: bytes, context):
             try:
-                refusal = self._check(method, job_id, token, is_control)
+                request = parse(raw) if parse is not None else raw
+            except Exception:  # noqa: BLE001 - a body that does not parse is the caller's fault
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request")
+            job_id = str(getattr(request, "job_id", "") or "")
+            claims = None
+            if capability:
+                # A capability on any call is the scheduler's, unless the table
+                # names another role for the method.
+                claims = self._capability(method, capability, raw, role or NO_JOB_ROLE,
+                                          context)
+            try:
+                refusal = self._check(method, job_id, token, claims, role)
             except Unavailable as err:  # the replay's Redis, past its retries
+                if claims is not None:
+                    self.nonces.release(claims.nonce)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: {err}")
             if refusal is not None:
                 context.abort(*refusal)
-            return inner(request, context)
+            try:
+                return inner(request, context)
+            except BaseException:
+                # Nothing changed on UNAVAILABLE: the channel's retry of this very
+                # call must not be taken for a replay.
+                if claims is not None and _code(context) == grpc.StatusCode.UNAVAILABLE:
+                    self.nonces.release(claims.nonce)
+                raise
+            finally:
+                # The scheduler ended the job here, whatever the service answered:
+                # its passes get NOT_FOUND from now on (a new start grants it again).
+                if claims is not None and job_id and method in REVOKING:
+                    self.grants.revoke(job_id)
 
         return grpc.unary_unary_rpc_method_handler(
-            authorized, request_deserializer=handler.request_deserializer,
+            authorized, request_deserializer=None,
             response_serializer=handler.response_serializer)
 
-    def _check(self, method: str, job_id: str, token: str,
-               is_control: bool) -> tuple[grpc.StatusCode, str] | None:
+    def _capability(self, method: str, token: str, raw: bytes, role: str, context):
+        """The verified claims of the call's capability, spent; aborts the call
+        with PERMISSION_DENIED when they do not grant it."""
+        try:
+            claims = caps.read(token, self.creds.trusted)
+            caps.check(claims, method, self.audiences, raw)
+        except caps.CapabilityError as err:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method}: capability refused: {err}")
+        if claims.role != role:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method}: needs the {role}'s capability, not the {claims.role}'s")
+        if not self.nonces.claim(claims.nonce, claims.expires_at):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method}: capability already spent (a replayed call)")
+        return claims
+
+    def _check(self, method: str, job_id: str, token: str, claims,
+               role: str | None) -> tuple[grpc.StatusCode, str] | None:
         """None if the call may go on, else its refusal."""
-        if is_control:
-            if job_id and token:
+        if claims is not None:  # the scheduler's (or the API's) own call
+            if job_id and (method in GRANTING or self.grant_on_any):
                 self.grants.grant(job_id, token)
+            elif job_id and token and self.grants.granted(job_id):
+                self.grants.grant(job_id, token)  # a fresh pass for its holder
             return None
+        if role is not None:
+            return grpc.StatusCode.PERMISSION_DENIED, f"{method}: only the {role} may call this"
         if not job_id:
             return (grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method}: a call naming no job_id is the scheduler's only")
-        granted = self.grants.granted_digest(job_id)
-        if granted is None:  # nothing of the job runs here (module docstring)
+                    f"{method}: a call naming no job_id is the {NO_JOB_ROLE}'s only")
+        if not self.grants.granted(job_id):  # nothing of the job runs here (docstring)
             return grpc.StatusCode.NOT_FOUND, f"job {job_id!r} is not running here"
-        if _same(token, granted):
-            return None
-        if isinstance(self.grants, RedisGrants):  # granted anew through another replica?
-            fresh = self.grants.granted_digest(job_id, fresh=True)
-            if fresh is not None and _same(token, fresh):
-                return None
-        return (grpc.StatusCode.PERMISSION_DENIED,
-                f"{method}: job {job_id!r} needs its job token in {JOB_TOKEN_KEY}")
+        allowed = self.callers.get(method, ())
+        try:
+            held = caps.read_pass(token, self.creds.trusted[NO_JOB_ROLE])
+        except caps.CapabilityError as err:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method}: job {job_id!r} needs a job pass in {JOB_TOKEN_KEY} ({err})")
+        if held.job_id != job_id:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method}: the pass is job {held.job_id!r}'s, not {job_id!r}'s")
+        if held.role not in allowed:
+            who = " or ".join(allowed) if allowed else f"the {NO_JOB_ROLE}"
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method}: {who} only, not a {held.role}")
+        return None
+
+
+def _code(context) -> grpc.StatusCode | None:
+    try:
+        return context.code()
+    except Exception:  # noqa: BLE001 - older servers have no code()
+        return None
 
 
 # --- the client side --------------------------------------------------------
 
 
 class _CallAuth(grpc.UnaryUnaryClientInterceptor):
-    """Adds this process's credentials, and the token of the job the request
-    names, to every call."""
+    """Adds this process's credential, a capability where this process signs as
+    the role the call needs, and the token of the job the request names."""
 
-    def __init__(self, creds: Credentials) -> None:
+    def __init__(self, creds: Credentials, address: str | None) -> None:
         self.fixed = [(CREDENTIAL_KEY, creds.credential)]
-        if creds.control:
-            self.fixed.append((CONTROL_KEY, creds.control))
+        self.signing = creds.signing
+        self.audience = caps.normal_address(address) if address else ""
+        self._control: dict[str, str] = {}
+        if self.signing:
+            self._control = control_methods(CONTROL_TABLE)
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         metadata = list(client_call_details.metadata or ()) + self.fixed
+        method = client_call_details.method
+        method = method.decode() if isinstance(method, bytes) else method
         job_id = getattr(request, "job_id", "")
+        # The control table's role for its methods; every other call of a process
+        # that signs as the scheduler is signed too: the scheduler's calls naming a
+        # job grant the job's token where it runs (the replay buffer's first call).
+        role = self._control.get(method) or NO_JOB_ROLE
+        key = self.signing.get(role) if self.audience else None
         token = JOB_TOKENS.token(job_id) if job_id else ""
+        if key is not None:
+            metadata.append((CAPABILITY_KEY, caps.mint(
+                key, role, method, self.audience, job_id, request.SerializeToString())))
+            if role == NO_JOB_ROLE and job_id:
+                # The callee's pass for the job, fresh with every call the scheduler
+                # makes to it: what it sends with its own calls for the job.
+                service = method.split("/")[1]
+                callee = _CALLEE_ROLE.get(service) or (
+                    getattr(request, "role", "") if method == "/reflow.v1.Worker/SetRole"
+                    else "")
+                token = caps.issue_pass(key, job_id, callee) if callee in caps.PASS_ROLES \
+                    else ""
         if token:
             metadata.append((JOB_TOKEN_KEY, token))
         details = _CallDetails(client_call_details.method, client_call_details.timeout,
@@ -295,8 +416,11 @@ class _CallDetails(grpc.ClientCallDetails):
     compression: object
 
 
-def authenticated(channel: grpc.Channel) -> grpc.Channel:
-    return grpc.intercept_channel(channel, _CallAuth(credentials()))
+def authenticated(channel: grpc.Channel, address: str | None = None) -> grpc.Channel:
+    """`channel` with this process's credentials on every call; `address` is the
+    target it dials, which the capabilities it signs are addressed to (None: it
+    signs none)."""
+    return grpc.intercept_channel(channel, _CallAuth(credentials(), address))
 
 
 # --- TLS --------------------------------------------------------------------

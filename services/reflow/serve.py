@@ -11,9 +11,9 @@ REFLOW_API_TOKEN(_FILE) and REFLOW_API_MAX_BODY_BYTES (api; without a token the
 API refuses to start unless given --insecure-no-auth), REFLOW_REDIS_APPENDFSYNC
 (the embedded Redis's fsync policy: everysec, the default, or always),
 REFLOW_METRICS_PORT (Prometheus /metrics of every service),
-REFLOW_GRPC_CREDENTIAL(_FILE), REFLOW_CONTROL_CREDENTIAL(_FILE) (scheduler and
-api) or REFLOW_CONTROL_CREDENTIAL_SHA256 (the others), REFLOW_TLS_* (see
-reflow.rpcauth).
+REFLOW_GRPC_CREDENTIAL(_FILE), the signing key of the scheduler or the API
+(REFLOW_{SCHEDULER,API}_SIGNING_KEY(_FILE)) and the public keys it verifies by
+(REFLOW_{SCHEDULER,API}_PUBLIC_KEY(_FILE)), REFLOW_TLS_* (see reflow.rpcauth).
 """
 
 from __future__ import annotations
@@ -77,12 +77,20 @@ def _check_credentials(name: str) -> None:
         creds = rpcauth.credentials()
     except (RuntimeError, ValueError, OSError) as err:
         raise SystemExit(f"reflow serve {name}: {err}") from None
-    if name in ("api", "scheduler") and not creds.control:
-        raise SystemExit(f"reflow serve {name}: set {rpcauth.CONTROL_ENV} (or "
-                         f"{rpcauth.CONTROL_ENV}_FILE): this service gives the scheduler's orders")
-    if not creds.control_digest:
-        raise SystemExit(f"reflow serve {name}: set {rpcauth.CONTROL_DIGEST_ENV}, the digest of "
-                         "the scheduler's control credential, to take its orders by")
+    role = name if name in rpcauth.SIGNING_KEY_ENVS else None
+    if role is not None and role not in creds.signing:
+        env = rpcauth.SIGNING_KEY_ENVS[role]
+        raise SystemExit(f"reflow serve {name}: set {env} (or {env}_FILE), the {role}'s "
+                         "Ed25519 signing key: this service's calls are control calls")
+    # The API serves REST only; every gRPC server verifies the scheduler's calls,
+    # and the scheduler the API's.
+    needed = set() if name == "api" else {rpcauth.NO_JOB_ROLE}
+    if name == "scheduler":
+        needed.add("api")
+    for missing in sorted(needed - set(creds.trusted)):
+        env = rpcauth.PUBLIC_KEY_ENVS[missing]
+        raise SystemExit(f"reflow serve {name}: set {env} (or {env}_FILE), the {missing}'s "
+                         "public key, to verify its calls by")
 
 
 def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = False) -> int:

@@ -10,6 +10,15 @@ the global default group, so the trainer's own data-parallel group (and
 vLLM's) are untouched. Tensors never travel through RPC arguments: only the
 metadata (names, shapes, dtypes) does, once, when the group is built.
 
+Every group's keys on its store sit under a secret the side that creates the
+store draws for each build (`new_rendezvous_key`) and hands to the other ranks
+in the authenticated RPC that tells them where to meet (InitWeightSync,
+JoinGroup). A TCPStore has no authentication and cannot list its keys, so a
+party that reaches the store's port without the secret waits for peers that
+never come, and cannot read or overwrite the group's addresses (or NCCL's
+unique id). What it can still do, and what closes it, is in the README
+(weight sync's remaining risk).
+
 The worker-side functions run inside the vLLM worker process, called by name
 through `collective_rpc` (rollout/vllm_worker.py mixes them into vLLM's worker);
 they take the worker as `self` and keep their state on it.
@@ -31,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import re
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +54,25 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 _STORE_PREFIX = "reflow-wsync"
+# What new_rendezvous_key draws: 16 random bytes as lowercase hex.
+RENDEZVOUS_KEY_BYTES = 16
+_RENDEZVOUS_KEY = re.compile(f"[0-9a-f]{{{2 * RENDEZVOUS_KEY_BYTES}}}")
+
+
+def new_rendezvous_key() -> str:
+    """A fresh secret for one group build (128 bits, unguessable on the store)."""
+    return secrets.token_hex(RENDEZVOUS_KEY_BYTES)
+
+
+def check_rendezvous_key(key: str) -> str:
+    """`key` if it is what new_rendezvous_key draws; ValueError naming the field
+    otherwise (an empty key included: there is no unkeyed rendezvous). The key
+    is a secret and never appears in the message."""
+    if not isinstance(key, str) or not _RENDEZVOUS_KEY.fullmatch(key):
+        got = f"{len(key)} characters" if isinstance(key, str) else type(key).__name__
+        raise ValueError(f"rendezvous_key: must be {2 * RENDEZVOUS_KEY_BYTES} lowercase hex "
+                         f"characters, the secret the trainer draws for the group; got {got}")
+    return key
 
 
 @dataclass(frozen=True)
@@ -192,26 +222,59 @@ def make_group(
     world_size: int,
     backend: str,
     timeout_s: float = 600.0,
+    *,
+    rendezvous_key: str,
 ) -> SyncGroup:
     """Rendezvous on a private TCPStore and build the group. `timeout_s` bounds the
     rendezvous and every collective of the group: a peer that died or hangs
     becomes an error after that long instead of a wait forever (gloo raises in the
     waiting call; NCCL's watchdog aborts the communicator and, by default, the
-    process)."""
+    process). `rendezvous_key`: the group's secret (new_rendezvous_key, drawn by
+    rank 0); every rank must give the same one, and a rank with another never
+    meets the group (its rendezvous times out)."""
+    check_rendezvous_key(rendezvous_key)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
-    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # without options NCCL keeps its own 10-minute default
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
-        raise ValueError(f"weight sync backend must be gloo or nccl, got {backend!r}")
+    prefixed = keyed_store(store, rendezvous_key)
+    with key_redacted(rendezvous_key):
+        if backend == "gloo":
+            group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # without options NCCL keeps its own 10-minute default
+            group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     return SyncGroup(group, store)
+
+
+def keyed_store(store: dist.Store, rendezvous_key: str,
+                prefix: str = _STORE_PREFIX) -> dist.PrefixStore:
+    """`store` seen under `prefix`/`rendezvous_key`: the group's keys, which only a
+    holder of the key can name."""
+    return dist.PrefixStore(f"{prefix}/{check_rendezvous_key(rendezvous_key)}", store)
+
+
+@contextlib.contextmanager
+def key_redacted(rendezvous_key: str):
+    """Around a group's rendezvous: an error that names the group's store keys (a
+    timeout's "wait timeout after 3000ms, keys: /reflow-wsync/<key>/0/0") is raised
+    again, of its type, with the key replaced, so that the secret never reaches a
+    log or a GetStatus error."""
+    try:
+        yield
+    except Exception as err:
+        message = str(err)
+        if rendezvous_key not in message:
+            raise
+        message = message.replace(rendezvous_key, "<rendezvous_key>")
+        try:
+            redacted = type(err)(message)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments
+            redacted = RuntimeError(f"{type(err).__name__}: {message}")
+        raise redacted from None
 
 
 def broadcast_bucket(group: SyncGroup, tensor: torch.Tensor) -> None:
@@ -269,14 +332,17 @@ def worker_init_weight_sync(
     bucket_bytes: int,
     tensor_parallel_size: int = 1,
     trainer_device_uuid: str = "",
+    rendezvous_key: str = "",
 ) -> bool:
-    """Join the weight-sync group as rank `first_rank` + this worker's TP rank."""
+    """Join the weight-sync group as rank `first_rank` + this worker's TP rank.
+    `rendezvous_key`: the group's secret; an empty one is refused (make_group)."""
     tp_rank, tp_world_size = _tensor_parallel_position()
     rank = engine_worker_rank(first_rank, tensor_parallel_size, tp_rank, tp_world_size, world_size)
     if backend == "nccl":
         check_distinct_gpus(trainer_device_uuid, cuda_device_uuid(torch.cuda.current_device()))
     self._reflow_wsync = {
-        "group": make_group(master_address, master_port, rank, world_size, backend),
+        "group": make_group(master_address, master_port, rank, world_size, backend,
+                            rendezvous_key=rendezvous_key),
         "specs": [TensorSpec(n, tuple(s), d) for n, s, d in specs],
         "bucket_bytes": bucket_bytes,
     }

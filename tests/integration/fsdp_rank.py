@@ -11,6 +11,9 @@ import sys
 
 import torch
 
+# Every rank's processes share it as a job's ranks share the leader's (an RPC away).
+RENDEZVOUS_KEY = "f5" * 16
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -51,7 +54,8 @@ def main() -> None:
     vocab = fresh().config.vocab_size
     batches = [_trajectories(13, vocab) for _ in range(args.steps)]  # 13: uneven over ranks
 
-    group = fsdp.ShardedGroup.build("127.0.0.1", args.port, args.rank, args.world, cpu, 120.0)
+    group = fsdp.ShardedGroup.build("127.0.0.1", args.port, args.rank, args.world, cpu, 120.0,
+                                    rendezvous_key=RENDEZVOUS_KEY)
     root = fsdp.shard_policy(fresh(), group.mesh, cpu)
     opt = optimizer_of(root.parameters())
     report = {"rank": args.rank}
@@ -181,22 +185,22 @@ def _sync_to_an_engine(root, params, rank, bucket_bytes) -> dict:
 
     from reflow.procs import free_port
     from reflow.trainer import fsdp
-    from reflow.weightsync import make_group, receive_weights, specs_of
+    from reflow.weightsync import make_group, new_rendezvous_key, receive_weights, specs_of
 
     specs = specs_of(fsdp.policy_parameters(root))
     received = {}
     sync = receiver = None
     if rank == 0:
-        port = free_port()
+        port, key = free_port(), new_rendezvous_key()
 
         def engine():
-            group = make_group("127.0.0.1", port, 1, 2, "gloo", 60.0)
+            group = make_group("127.0.0.1", port, 1, 2, "gloo", 60.0, rendezvous_key=key)
             for name, t in receive_weights(group, specs, bucket_bytes, torch.device("cpu")):
                 received[name] = t.clone()
 
         receiver = threading.Thread(target=engine)
         receiver.start()
-        sync = make_group("127.0.0.1", port, 0, 2, "gloo", 60.0)
+        sync = make_group("127.0.0.1", port, 0, 2, "gloo", 60.0, rendezvous_key=key)
     with LiveBytes() as live:
         fsdp.send_sharded_weights(root, sync, bucket_bytes)
     out = {"sync_peak_extra_bytes": live.peak}

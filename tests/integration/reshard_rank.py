@@ -20,6 +20,9 @@ PHASES = [([-1, -1], [0, 1]),             # the first membership: 0 and 1
           ([0, 1, -1], [0, 1, 2]),        # process 2 joins
           ([0, 1, 2], [0, -1, 1])]        # process 1 leaves
 STEPS_PER_PHASE = 2
+# The union groups' key, shared by the processes as JoinGroup hands it out; each
+# new group's key travels in the plan, drawn by process 0 as the leader does.
+UNION_KEY = "c3" * 16
 
 
 def main() -> None:
@@ -36,6 +39,7 @@ def main() -> None:
     from reflow.trainer import fsdp, reshard
     from reflow.trainer.dp import TrainerGroup
     from reflow.trainer.step import compute_step
+    from reflow.weightsync import new_rendezvous_key
     from tests.unit.test_micro_batches import _trajectories
 
     torch.manual_seed(0)
@@ -68,14 +72,16 @@ def main() -> None:
             report["received"].append(None)
             continue
         union = TrainerGroup.build("127.0.0.1", args.ports[2 * phase], args.me,
-                                   len(new_ranks), phase + 1, cpu, 120.0)
+                                   len(new_ranks), phase + 1, cpu, 120.0,
+                                   rendezvous_key=UNION_KEY)
         if args.me == 0:
             source = loop.root if loop.root is not None else loop.model
             plan = reshard.ReshardPlan(
                 epoch=phase + 1, port=args.ports[2 * phase + 1], old_ranks=old_ranks,
                 new_ranks=new_ranks, layout=reshard.layout_of(source)[2],
                 steps=reshard.optimizer_steps(loop.root, loop.optimizer)
-                if loop.root is not None else [], initial=phase == 0)
+                if loop.root is not None else [], initial=phase == 0,
+                rendezvous_key=new_rendezvous_key())
             union._broadcast_bytes(plan.encode())
         else:
             plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))

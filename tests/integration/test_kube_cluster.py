@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from reflow import procs, rpc
+from reflow import procs, rpc, rpcauth
 from reflow.core.config import parse_job_spec
 from tests.waiting import wait_until
 from reflow.core.paths import PathRoots
@@ -55,7 +55,9 @@ def cluster(tmp_path_factory, redis_server, tiny_model):
 
     def start_worker(i: int) -> subprocess.Popen:
         """The container of pod i: a `reflow serve worker` behind the pod's IP."""
-        env = {**os.environ, "REFLOW_POD_IP": _ip(i), "REFLOW_PIN_CPUS": "0"}
+        # What the chart gives a worker pod: the public keys, no signing key.
+        env = {**os.environ, **rpcauth.role_env(None), "REFLOW_POD_IP": _ip(i),
+               "REFLOW_PIN_CPUS": "0"}
         return subprocess.Popen(
             [sys.executable, "-m", "reflow.cli", "serve", "worker", "--host", _ip(i),
              "--port", str(port)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,

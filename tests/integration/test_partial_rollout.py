@@ -16,7 +16,7 @@ from reflow.replay.store import ReplayStore
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
-from reflow.weightsync import make_group, send_weights, specs_of
+from reflow.weightsync import make_group, new_rendezvous_key, send_weights, specs_of
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +59,13 @@ def test_segments_carry_two_versions_with_the_engines_logprobs(redis_server, red
     worker.start()
     try:
         named = list(model_b.named_parameters())
-        port = free_port()
+        port, key = free_port(), new_rendezvous_key()
         sync = WeightSyncSpec("127.0.0.1", port, 1, 2, "gloo",
-                              [(s.name, list(s.shape), s.dtype) for s in specs_of(named)], 1 << 26)
+                              [(s.name, list(s.shape), s.dtype) for s in specs_of(named)], 1 << 26,
+                              rendezvous_key=key)
         group = {}
-        t = threading.Thread(target=lambda: group.setdefault("g", make_group("127.0.0.1", port, 0, 2, "gloo")))
+        t = threading.Thread(target=lambda: group.setdefault("g", make_group(
+            "127.0.0.1", port, 0, 2, "gloo", rendezvous_key=key)))
         t.start()
         worker.init_weight_sync(sync)
         t.join()

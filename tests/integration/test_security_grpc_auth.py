@@ -19,7 +19,8 @@ import grpc
 import pytest
 from google.protobuf import message_factory
 
-from reflow import rpc, rpcauth
+from reflow import capabilities, rpc, rpcauth
+from reflow.core.grants import JOB_TOKENS
 from reflow.replay.server import serve as serve_replay
 from reflow.replay.store import ReplayStore
 from reflow.rollout.server import serve as serve_rollout
@@ -37,7 +38,14 @@ from tests.integration.api_fixtures import RecordOnlyScheduler
 pytestmark = pytest.mark.security
 
 JOB_A, JOB_B = "job-a", "job-b"
-TOKEN_A, TOKEN_B = "token-of-job-a-0123456789abcdef", "token-of-job-b-0123456789abcdef"
+
+
+def _pass(job_id: str, role: str = "trainer") -> str:
+    """A job pass as the scheduler hands one to a worker of `role`."""
+    return capabilities.issue_pass(rpcauth.credentials().signing["scheduler"], job_id, role)
+
+
+TOKEN_A, TOKEN_B = _pass(JOB_A), _pass(JOB_B)
 PROTO_MODULES = (common_pb2, replay_pb2, rollout_pb2, scheduler_pb2, trainer_pb2, worker_pb2)
 
 
@@ -69,6 +77,16 @@ def _call(address: str, service: str, method, request, metadata) -> grpc.StatusC
     return grpc.StatusCode.OK
 
 
+def _signed(address: str, service: str, method, request, role: str = "scheduler",
+            key=None, audience: str | None = None) -> tuple[str, str]:
+    """A capability for this call, as the scheduler (or `role`) signs one: with its
+    key from this process's credentials unless `key` is another."""
+    key = key if key is not None else rpcauth.credentials().signing[role]
+    return (rpcauth.CAPABILITY_KEY,
+            capabilities.mint(key, role, f"/{service}/{method.name}", audience or address,
+                              getattr(request, "job_id", ""), request.SerializeToString()))
+
+
 def _redis_state(client) -> dict[bytes, bytes]:
     return {key: client.dump(key) for key in sorted(client.keys("*"))}
 
@@ -93,14 +111,20 @@ def cluster(redis_server, redis_client, tmp_path):
              "reflow.v1.Worker", "reflow.v1.Scheduler")
     addresses = {name: f"127.0.0.1:{port}" for name, (_, port) in zip(names, servers)}
     creds = rpcauth.credentials()
-    for name in names[:-1]:
-        for job, token in ((JOB_A, TOKEN_A), (JOB_B, TOKEN_B)):
-            method = next(m for s, m in every_rpc() if s == name and m.name in
-                          ("GetStats", "GetStatus", "GetRole"))
-            _call(addresses[name], name, method, _request(method, job),
-                  [(rpcauth.CREDENTIAL_KEY, creds.credential),
-                   (rpcauth.CONTROL_KEY, creds.control), (rpcauth.JOB_TOKEN_KEY, token)])
+    # The replay buffer is granted a job by any of the scheduler's calls naming it;
+    # the workers by the call that starts it on them, which would start a real job
+    # here: its effect on the process's book (the in-memory services') instead.
+    method = next(m for s, m in every_rpc() if s == names[0] and m.name == "GetStats")
+    for job in (JOB_A, JOB_B):
+        request = _request(method, job)
+        assert _call(addresses[names[0]], names[0], method, request,
+                     [(rpcauth.CREDENTIAL_KEY, creds.credential),
+                      _signed(addresses[names[0]], names[0], method, request)]) == \
+            grpc.StatusCode.OK
+        JOB_TOKENS.grant(job, _pass(job))
     yield addresses, trainer
+    JOB_TOKENS.revoke(JOB_A)
+    JOB_TOKENS.revoke(JOB_B)
     for server, _ in servers:
         server.stop(0)
     scheduler.shutdown()
@@ -120,16 +144,36 @@ def test_every_rpc_is_refused_without_credential_or_with_another_jobs_token(clus
         "job B's token for job A": ([(rpcauth.CREDENTIAL_KEY, credential),
                                      (rpcauth.JOB_TOKEN_KEY, TOKEN_B)],
                                     grpc.StatusCode.PERMISSION_DENIED),
-        # The control credential's digest is what services hold; it is no credential.
-        "the control credential's digest": ([(rpcauth.CREDENTIAL_KEY, credential),
-                                             (rpcauth.CONTROL_KEY,
-                                              rpcauth.credentials().control_digest),
-                                             (rpcauth.JOB_TOKEN_KEY, TOKEN_B)],
-                                            grpc.StatusCode.PERMISSION_DENIED),
     }
+    stranger = capabilities.new_private_key()
     covered, wrong = 0, []
     for service, method in every_rpc():
         covered += 1
+        address, request = addresses[service], _request(method, JOB_A)
+        role = rpcauth.control_methods([service]).get(f"/{service}/{method.name}", "scheduler")
+        # Capabilities that grant something else: another key, another server, another
+        # method, another body, another role.
+        other = next(m for s, m in every_rpc() if s == service and m.name != method.name)
+        other_request = _request(method, JOB_B)
+        forged = {
+            "a capability signed by another key": _signed(address, service, method, request,
+                                                          role, key=stranger),
+            "a capability for another server": _signed(address, service, method, request, role,
+                                                       audience="10.9.9.9:50051"),
+            "a capability for another method": _signed(address, service, other, request, role),
+        }
+        if other_request.SerializeToString() != request.SerializeToString():
+            forged["a capability for another request"] = _signed(address, service, method,
+                                                                 other_request, role)
+        if role == "scheduler" and "reflow.v1.Scheduler" != service:
+            forged["the API's capability"] = _signed(address, service, method, request, "api")
+        for what, capability in forged.items():
+            code = _call(address, service, method, request,
+                         [(rpcauth.CREDENTIAL_KEY, credential), capability,
+                          (rpcauth.JOB_TOKEN_KEY, TOKEN_B)])
+            if code != grpc.StatusCode.PERMISSION_DENIED:
+                wrong.append(f"{service}/{method.name} with {what}: {code.name}")
+    for service, method in every_rpc():
         for what, (metadata, expected) in hostile.items():
             code = _call(addresses[service], service, method, _request(method, JOB_A), metadata)
             if code != expected:
@@ -141,23 +185,27 @@ def test_every_rpc_is_refused_without_credential_or_with_another_jobs_token(clus
     assert _redis_state(redis_client) == before, "a refused call wrote to Redis"
     assert trainer.state == "idle"
 
-    # The same calls with job A's own token pass authorization (whatever the empty
-    # request then gets); the scheduler's calls need the control credential.
+    # The same calls with a pass of job A pass authorization (whatever the empty
+    # request then gets) for the roles the table names, and only for those; the
+    # control calls need a capability.
     for service, method in every_rpc():
-        control = f"/{service}/{method.name}" in rpcauth.control_methods([service])
-        metadata = [(rpcauth.CREDENTIAL_KEY, credential), (rpcauth.JOB_TOKEN_KEY, TOKEN_A)]
-        if control:
+        name = f"/{service}/{method.name}"
+        if name in rpcauth.control_methods([service]):
             continue
-        code = _call(addresses[service], service, method, _request(method, JOB_A), metadata)
-        assert code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), \
-            f"{service}/{method.name} refused job A's own token: {code.name}"
+        allowed = rpcauth.job_callers([service])[name]
+        for role in capabilities.PASS_ROLES:
+            metadata = [(rpcauth.CREDENTIAL_KEY, credential),
+                        (rpcauth.JOB_TOKEN_KEY, _pass(JOB_A, role))]
+            code = _call(addresses[service], service, method, _request(method, JOB_A), metadata)
+            refused = code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            assert refused == (role not in allowed), f"{name} with a {role}'s pass: {code.name}"
 
 
 def test_an_idle_trainer_takes_no_peers_from_anyone_but_the_scheduler(cluster, tmp_path,
                                                                       tiny_model):
     """The attack: point an idle trainer at a fake replay and rollout worker, so that
     after one step it broadcasts a model's weights to the caller. Without the
-    control credential, StartJob and Reconfigure are refused before the trainer
+    scheduler's capability, StartJob and Reconfigure are refused before the trainer
     reads them, whatever job token the caller makes up."""
     from reflow.core.config import parse_job_spec
 
@@ -184,6 +232,136 @@ def test_an_idle_trainer_takes_no_peers_from_anyone_but_the_scheduler(cluster, t
                                        (rpcauth.JOB_TOKEN_KEY, TOKEN_A)], timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert trainer.state == "idle"
+
+
+def test_a_spent_an_expired_and_a_future_capability_are_refused(cluster):
+    """A capability is good once, for two minutes: the call sent again with it (a
+    replayed call), or one signed long ago or dated ahead, is PERMISSION_DENIED;
+    a fresh one for the same call passes."""
+    addresses, _ = cluster
+    credential = rpcauth.credentials().credential
+    key = rpcauth.credentials().signing["scheduler"]
+    service = "reflow.v1.Worker"
+    method = next(m for s, m in every_rpc() if s == service and m.name == "GetRole")
+    request, address = _request(method, ""), addresses[service]
+    name = f"/{service}/{method.name}"
+
+    def call(capability: str) -> grpc.StatusCode:
+        return _call(address, service, method, request,
+                     [(rpcauth.CREDENTIAL_KEY, credential), (rpcauth.CAPABILITY_KEY, capability)])
+
+    import time
+
+    fresh = capabilities.mint(key, "scheduler", name, address, "", request.SerializeToString())
+    assert call(fresh) == grpc.StatusCode.OK
+    assert call(fresh) == grpc.StatusCode.PERMISSION_DENIED  # replayed
+    old = capabilities.mint(key, "scheduler", name, address, "", request.SerializeToString(),
+                            now=time.time() - capabilities.LIFETIME_S
+                            - capabilities.CLOCK_SKEW_S - 5)
+    assert call(old) == grpc.StatusCode.PERMISSION_DENIED  # expired
+    ahead = capabilities.mint(key, "scheduler", name, address, "", request.SerializeToString(),
+                              now=time.time() + 3600)
+    assert call(ahead) == grpc.StatusCode.PERMISSION_DENIED
+    assert call(capabilities.mint(key, "scheduler", name, address, "",
+                                  request.SerializeToString())) == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("role", [None, "api"], ids=["rollout-or-trainer", "api"])
+def test_a_compromised_process_cannot_make_a_control_call_with_what_it_holds(
+        cluster, redis_client, tmp_path, role):
+    """A real process with the environment a worker (or the API) is given, after
+    the scheduler has made its calls to it (a job started, a sync place set, a
+    role asked: it holds their capabilities and job A's token), tries every
+    control call on every service, the other job, calls naming no job, and
+    capabilities it signs: each is UNAUTHENTICATED or PERMISSION_DENIED, and Redis
+    and the services are as they were."""
+    import json
+    import sys
+    import time
+
+    from reflow.v1 import rollout_pb2_grpc, worker_pb2_grpc
+
+    addresses, trainer = cluster
+    env = {**os.environ, **rpcauth.role_env(role), "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    hostile = subprocess.Popen([sys.executable, "-m", "tests.integration.hostile_process",  # nosec
+                                str(tmp_path)], env=env, cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "port").exists():
+            assert hostile.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        address = f"127.0.0.1:{(tmp_path / 'port').read_text()}"
+        # The scheduler's calls to it, signed as the scheduler signs them.
+        with rpc.channel(address) as ch:
+            rollout = rollout_pb2_grpc.RolloutStub(ch)
+            rollout.StartJob(common_pb2.StartJobRequest(
+                job_id=JOB_A, spec_json="{}", replay_address=addresses["reflow.v1.ReplayBuffer"],
+                trainer_peers=[addresses["reflow.v1.Trainer"]]), timeout=10)
+            rollout.SetSyncPlace(rollout_pb2.SetSyncPlaceRequest(job_id=JOB_A), timeout=10)
+            rollout.GetStats(common_pb2.JobRef(job_id=JOB_A), timeout=10)
+            worker_pb2_grpc.WorkerStub(ch).GetRole(common_pb2.JobRef(), timeout=10)
+            rollout.StopJob(common_pb2.JobRef(job_id=JOB_A), timeout=10)
+        before = _redis_state(redis_client)
+        (tmp_path / "targets.json").write_text(json.dumps(
+            {"addresses": addresses, "job": JOB_A, "other_job": JOB_B}))
+        assert hostile.wait(timeout=240) == 0
+    finally:
+        if hostile.poll() is None:
+            hostile.kill()
+    report = json.loads((tmp_path / "attempts.json").read_text())
+    assert not report["private_key_in_environment"] or role == "api"
+    assert report["signing_keys"] == (["REFLOW_API_SIGNING_KEY"] if role else [])
+    received = {r["method"].rsplit("/", 1)[1] for r in report["received"]}
+    assert {"StartJob", "SetSyncPlace", "GetStats", "GetRole", "StopJob"} <= received
+    assert all(rpcauth.CAPABILITY_KEY in r["keys"] for r in report["received"])
+    attempts = report["attempts"]
+    replayed = [a for a in attempts if "replayed elsewhere" in a["what"]]
+    as_rollout = {a["method"].rsplit("/", 1)[1] for a in attempts if a["what"] == "job A as a rollout"}
+    assert len(attempts) > 300 and replayed
+    assert {"Configure", "PublishVersion", "Sample", "UpdateWeights", "JoinGroup"} <= as_rollout
+    # It holds the deployment credential, so each refusal is the authorization's.
+    allowed = [a for a in attempts if a["code"] != "PERMISSION_DENIED"]
+    assert not allowed, allowed[:10]
+    assert _redis_state(redis_client) == before, "a refused call wrote to Redis"
+    assert trainer.state == "idle"
+
+
+def test_an_expired_pass_a_stopped_jobs_pass_and_a_forged_one_are_refused(cluster):
+    """A job pass lasts PASS_LIFETIME_S: an old one is PERMISSION_DENIED. Once the
+    scheduler stops the job on a worker, the job's passes get NOT_FOUND there. A
+    pass signed by any key but the scheduler's is PERMISSION_DENIED."""
+    import time
+
+    addresses, _ = cluster
+    credential = rpcauth.credentials().credential
+    service, job = "reflow.v1.Rollout", "job-c"
+    update = next(m for s, m in every_rpc() if s == service and m.name == "UpdateWeights")
+    stop = next(m for s, m in every_rpc() if s == service and m.name == "StopJob")
+    address = addresses[service]
+
+    def update_with(token: str) -> grpc.StatusCode:
+        return _call(address, service, update, _request(update, job),
+                     [(rpcauth.CREDENTIAL_KEY, credential), (rpcauth.JOB_TOKEN_KEY, token)])
+
+    JOB_TOKENS.grant(job, _pass(job, "rollout"))
+    try:
+        fresh = _pass(job)
+        assert update_with(fresh) not in (grpc.StatusCode.PERMISSION_DENIED,
+                                          grpc.StatusCode.NOT_FOUND)  # authorized
+        expired = capabilities.issue_pass(
+            rpcauth.credentials().signing["scheduler"], job, "trainer",
+            now=time.time() - capabilities.PASS_LIFETIME_S - capabilities.CLOCK_SKEW_S - 1)
+        assert update_with(expired) == grpc.StatusCode.PERMISSION_DENIED
+        forged = capabilities.issue_pass(capabilities.new_private_key(), job, "trainer")
+        assert update_with(forged) == grpc.StatusCode.PERMISSION_DENIED
+        request = _request(stop, job)
+        _call(address, service, stop, request, [(rpcauth.CREDENTIAL_KEY, credential),
+                                                _signed(address, service, stop, request)])
+        assert not JOB_TOKENS.granted(job)
+        assert update_with(fresh) == grpc.StatusCode.NOT_FOUND  # revoked with the job
+    finally:
+        JOB_TOKENS.revoke(job)
 
 
 def test_a_job_a_server_was_never_granted_is_not_found_and_nothing_is_written(cluster,
@@ -261,8 +439,8 @@ def test_mutual_tls_refuses_plain_and_certificate_less_clients(redis_server, red
 def test_a_service_will_not_start_without_its_secrets(tmp_path):
     import sys
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("REFLOW_GRPC_",
-                                                                     "REFLOW_CONTROL_"))}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("REFLOW_GRPC_", "REFLOW_API_", "REFLOW_SCHEDULER_"))}
 
     def serve(service: str, **env: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "reflow.cli", "serve", service,  # nosec
@@ -272,9 +450,13 @@ def test_a_service_will_not_start_without_its_secrets(tmp_path):
     result = serve("replay")
     assert result.returncode != 0 and "REFLOW_GRPC_CREDENTIAL" in result.stderr
     result = serve("trainer", REFLOW_GRPC_CREDENTIAL="c" * 32)
-    assert result.returncode != 0 and "REFLOW_CONTROL_CREDENTIAL_SHA256" in result.stderr
+    assert result.returncode != 0 and "REFLOW_SCHEDULER_PUBLIC_KEY" in result.stderr
+    public = capabilities.public_pem(capabilities.new_private_key())
     result = serve("scheduler", REFLOW_GRPC_CREDENTIAL="c" * 32,
-                   REFLOW_CONTROL_CREDENTIAL_SHA256="0" * 64)
-    assert result.returncode != 0 and "REFLOW_CONTROL_CREDENTIAL" in result.stderr
+                   REFLOW_SCHEDULER_PUBLIC_KEY=public)
+    assert result.returncode != 0 and "REFLOW_SCHEDULER_SIGNING_KEY" in result.stderr
+    result = serve("trainer", REFLOW_GRPC_CREDENTIAL="c" * 32,
+                   REFLOW_SCHEDULER_PUBLIC_KEY="-----BEGIN PUBLIC KEY-----\nnot a key\n")
+    assert result.returncode != 0 and "REFLOW_SCHEDULER_PUBLIC_KEY" in result.stderr
     result = serve("worker", REFLOW_GRPC_CREDENTIAL="short")
     assert result.returncode != 0 and "at least 16 characters" in result.stderr

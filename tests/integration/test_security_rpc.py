@@ -35,6 +35,10 @@ pytestmark = pytest.mark.security
 
 JOB = "sec-job"
 TENSORS = [rollout_pb2.TensorMeta(name="w", shape=[4, 4], dtype="float32")]
+KEY = "0123456789abcdef0123456789abcdef"  # a rendezvous key as the trainer draws one
+# Rendezvous keys refused at the edge: none, or not what the trainer draws.
+BAD_KEYS = ["", "0123456789ABCDEF0123456789ABCDEF", KEY[:-1], KEY + "0", "g" * 32,
+            "reflow-wsync/" + KEY[13:]]
 
 
 class HeldEngine:
@@ -115,7 +119,8 @@ def _start(stub, replay_address: str, model_path: str, rank: int = 1, world: int
 
 def _init(stub, **overrides):
     fields = dict(job_id=JOB, master_address="127.0.0.1", master_port=29511, rank=1,
-                  world_size=2, backend="gloo", tensors=TENSORS, bucket_bytes=1 << 26)
+                  world_size=2, backend="gloo", tensors=TENSORS, bucket_bytes=1 << 26,
+                  rendezvous_key=KEY)
     fields.update(overrides)
     return stub.InitWeightSync(rollout_pb2.InitWeightSyncRequest(**fields), timeout=10)
 
@@ -228,16 +233,23 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
              ({"tensors": [rollout_pb2.TensorMeta(name="w", shape=[-1], dtype="float32")]},
               "shape"),
              ({"tensors": []}, "tensors"), ({"job_id": "other-job"}, "not running")]
+    wrong += [({"rendezvous_key": key}, "rendezvous_key") for key in BAD_KEYS]
     for fields, named in wrong:
         code, details = _code(lambda: _init(stub, **{"world_size": 3, **fields}))
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
         assert named in details, (fields, details)
+        if "rendezvous_key" in fields:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            # A secret, even a malformed one, is never echoed.
+            assert not fields["rendezvous_key"] or fields["rendezvous_key"] not in details
     assert engine.joined == []  # nothing reached the engine
     code, details = _code(lambda: stub.UpdateWeights(
         rollout_pb2.UpdateWeightsRequest(job_id=JOB, policy_version=1), timeout=10))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightSync" in details
     _init(stub, world_size=3)
     assert len(engine.joined) == 1
+    assert engine.joined[0].rendezvous_key == KEY  # carried to the engine
+    assert KEY not in repr(engine.joined[0])
     code, details = _code(lambda: _init(stub, world_size=3))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "once per trainer" in details
 
@@ -377,10 +389,17 @@ def test_elastic_pool_rpcs_are_validated(replay, rollout, tiny_model, tmp_path):
                          dict(master_port=29600, rank=1, world_size=5000, membership_epoch=1),
                          dict(master_port=29600, rank=1, world_size=2, membership_epoch=0)]
             for join in bad_joins:
-                code, details = _code(lambda: stub_t.JoinGroup(
-                    trainer_pb2.JoinGroupRequest(job_id=JOB, **join), timeout=10))
+                code, details = _code(lambda: stub_t.JoinGroup(trainer_pb2.JoinGroupRequest(
+                    job_id=JOB, rendezvous_key=KEY, **join), timeout=10))
                 assert code in (grpc.StatusCode.INVALID_ARGUMENT,
                                 grpc.StatusCode.FAILED_PRECONDITION), (join, details)
+            # A join otherwise in order, without the group's key (or a malformed one).
+            for key in BAD_KEYS:
+                code, details = _code(lambda: stub_t.JoinGroup(trainer_pb2.JoinGroupRequest(
+                    job_id=JOB, master_port=29600, rank=1, world_size=2, membership_epoch=1,
+                    rendezvous_key=key), timeout=10))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (key, details)
+                assert "rendezvous_key" in details and (not key or key not in details)
             _until(lambda: trainer.status(JOB)["state"] == "standby")
     finally:
         server.stop(0)

@@ -64,7 +64,8 @@ def test_an_engine_whose_broadcast_was_cut_off_loads_the_next_whole_version(tiny
 
     from reflow.procs import free_port
     from reflow.rollout.engine import SamplingSpec, WeightSyncSpec
-    from reflow.weightsync import make_group, plan_buckets, send_weights, specs_of
+    from reflow.weightsync import (make_group, new_rendezvous_key, plan_buckets, send_weights,
+                                   specs_of)
 
     new = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)  # nosec B615
     torch.manual_seed(0)
@@ -79,11 +80,12 @@ def test_an_engine_whose_broadcast_was_cut_off_loads_the_next_whole_version(tiny
         return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def join():
-        port = free_port()
+        port, key = free_port(), new_rendezvous_key()
         spec = WeightSyncSpec("127.0.0.1", port, 1, 2, "gloo",
-                              [(s.name, list(s.shape), s.dtype) for s in specs_of(named)], bucket)
+                              [(s.name, list(s.shape), s.dtype) for s in specs_of(named)], bucket,
+                              rendezvous_key=key)
         joined = run(engine.init_weight_sync(spec))
-        group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=120)
+        group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=120, rendezvous_key=key)
         joined.result(120)
         return group
 

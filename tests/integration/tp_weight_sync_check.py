@@ -19,21 +19,22 @@ def main(old_path: str, new_path: str) -> None:
     from reflow.procs import free_port
     from reflow.rollout.engine import SamplingSpec, WeightSyncSpec
     from reflow.rollout.vllm_engine import VllmEngine
-    from reflow.weightsync import RankPlan, make_group, send_weights, specs_of
+    from reflow.weightsync import RankPlan, make_group, new_rendezvous_key, send_weights, specs_of
 
     engine = VllmEngine(old_path, kv_cache_gb=1, max_model_len=256, tensor_parallel_size=2)
     new = AutoModelForCausalLM.from_pretrained(new_path, dtype=torch.float32)  # nosec B615
     old = AutoModelForCausalLM.from_pretrained(old_path, dtype=torch.float32)  # nosec B615
     named = list(new.named_parameters())
     plan = RankPlan.for_engines([2])
-    port = free_port()
+    port, key = free_port(), new_rendezvous_key()
     spec = WeightSyncSpec("127.0.0.1", port, plan.first_rank(0), plan.world_size, "gloo",
                           [(s.name, list(s.shape), s.dtype) for s in specs_of(named)], 1 << 20,
-                          tensor_parallel_size=2)
+                          tensor_parallel_size=2, rendezvous_key=key)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     joined = asyncio.run_coroutine_threadsafe(engine.init_weight_sync(spec), loop)
-    group = make_group("127.0.0.1", port, 0, plan.world_size, "gloo", timeout_s=120)
+    group = make_group("127.0.0.1", port, 0, plan.world_size, "gloo", timeout_s=120,
+                       rendezvous_key=key)
     joined.result(120)
     received = asyncio.run_coroutine_threadsafe(engine.receive_weights(), loop)
     send_weights(group, named, bucket_bytes=1 << 20)

@@ -218,33 +218,6 @@ def test_redis_fsyncs_every_write_when_told_and_refuses_other_policies():
                 chart.render({"redis": {"appendfsync": bad}}, name="rl", namespace="ml")
 
 
-def test_network_policy_is_on_by_default_and_lets_in_only_the_release_and_prometheus():
-    docs, _ = render({})
-    policies = by_kind(docs, "NetworkPolicy")
-    assert set(policies) == {"rl-reflow-internal", "rl-reflow-api"}
-    internal = policies["rl-reflow-internal"]["spec"]
-    release = {"app.kubernetes.io/name": "reflow", "app.kubernetes.io/instance": "rl"}
-    assert internal["podSelector"]["matchLabels"] == release
-    assert internal["policyTypes"] == ["Ingress"]
-    # Everything from the release's own pods; from elsewhere only /metrics, and only
-    # from the monitoring namespaces.
-    assert internal["ingress"][0] == {"from": [{"podSelector": {"matchLabels": release}}]}
-    assert internal["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
-    assert internal["ingress"][1]["from"] == [{"namespaceSelector": {
-        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    api = policies["rl-reflow-api"]["spec"]
-    assert api["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "api"
-    assert api["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
-    # What the user says may reach the API (an ingress controller's namespace).
-    ingress_ns = [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": "ingress-nginx"}}}]
-    docs, _ = render({"networkPolicy": {"apiIngressFrom": ingress_ns}})
-    assert by_kind(docs, "NetworkPolicy")["rl-reflow-api"]["spec"]["ingress"][0]["from"] == \
-        ingress_ns
-    docs, _ = render({"networkPolicy": {"enabled": False}})
-    assert not by_kind(docs, "NetworkPolicy")
-
-
 def test_opt_in_servicemonitor_and_dashboards_for_the_sidecar():
     docs, notes = render({})
     assert not by_kind(docs, "ServiceMonitor")
@@ -260,7 +233,9 @@ def test_opt_in_servicemonitor_and_dashboards_for_the_sidecar():
         "rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker"}
     for service in metrics_services:
         assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
-    assert set(by_kind(docs, "NetworkPolicy")) == {"rl-reflow-internal", "rl-reflow-api"}
+    # One policy per role (the matrix itself: test_chart_network.py).
+    assert set(by_kind(docs, "NetworkPolicy")) == {
+        f"rl-reflow-{role}" for role in ("api", "scheduler", "replay", "worker", "redis")}
     assert set(by_kind(docs, "PodDisruptionBudget")) == {"rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker"}
 
     dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
@@ -300,36 +275,50 @@ def _env(container) -> dict:
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def test_grpc_secrets_reach_each_service_and_only_the_control_plane_holds_control():
+def test_grpc_secrets_reach_each_service_and_each_signing_key_only_its_role():
     import base64
-    import hashlib
+
+    sys.path.insert(0, str(REPO / "services"))
+    from reflow import capabilities
 
     docs, _ = render({})
     secret = by_kind(docs, "Secret")["rl-reflow-grpc-auth"]
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert len(data["credential"]) >= 32 and len(data["control"]) >= 32
-    assert data["control-sha256"] == hashlib.sha256(data["control"].encode()).hexdigest()
+    assert len(data["credential"]) >= 32
+    for role in ("scheduler", "api"):
+        # The certificate holds the public half of that very key: what it signs verifies.
+        key = capabilities.load_private_key(data[f"{role}-signing-key"], role)
+        public = capabilities.load_public_key(data[f"{role}-public-key"], role)
+        token = capabilities.mint(key, role, "/m", "a:1", "", b"")
+        assert capabilities.read(token, {role: public}).role == role
+    assert data["scheduler-signing-key"] != data["api-signing-key"]
+    expected = {  # role -> the Secret's keys its pods mount
+        "scheduler": {"credential", "scheduler-signing-key", "scheduler-public-key",
+                      "api-public-key"},
+        "api": {"credential", "api-signing-key", "scheduler-public-key"},
+        "replay": {"credential", "scheduler-public-key"},
+        "worker": {"credential", "scheduler-public-key"},
+    }
     seen = set()
     for name, spec in pod_specs(docs):
         if name.endswith("-redis"):
             continue
+        role = name.removeprefix("rl-reflow-")
         container = spec["containers"][0]
         env = _env(container)
         volume = next(v for v in spec["volumes"] if v["name"] == "grpc-auth")
         keys = {item["key"] for item in volume["secret"]["items"]}
         assert volume["secret"]["secretName"] == "rl-reflow-grpc-auth"
+        assert keys == expected[role], name
         assert env["REFLOW_GRPC_CREDENTIAL_FILE"]["value"].endswith("/credential"), name
-        if name.endswith(("-scheduler", "-api")):
-            assert keys == {"credential", "control"}, name
-            assert "REFLOW_CONTROL_CREDENTIAL_FILE" in env
-        else:  # replay and workers verify the scheduler's calls, and cannot make them
-            assert keys == {"credential"}, name
-            assert env["REFLOW_CONTROL_CREDENTIAL_SHA256"]["valueFrom"]["secretKeyRef"] == {
-                "name": "rl-reflow-grpc-auth", "key": "control-sha256"}
+        signing = {e for e in env if e.endswith("_SIGNING_KEY_FILE")}
+        assert signing == ({f"REFLOW_{role.upper()}_SIGNING_KEY_FILE"}
+                           if role in ("scheduler", "api") else set()), name
+        assert env["REFLOW_SCHEDULER_PUBLIC_KEY_FILE"]["value"].endswith("/scheduler-public-key")
         assert "REFLOW_TLS_CERT_FILE" not in env
-        seen.add(name.removeprefix("rl-reflow-"))
-    assert seen == {"api", "scheduler", "replay", "worker"}
+        seen.add(role)
+    assert seen == set(expected)
     # The template keeps the values a live Secret already has (helm's lookup; a plain
     # render has no cluster to look in).
     template = (CHART / "templates" / "secret-grpc.yaml").read_text()

@@ -65,7 +65,7 @@ def test_a_joiner_of_three_receives_a_third():
 
 def _plan(**change):
     data = dict(epoch=3, port=4000, old_ranks=[0, 1, -1], new_ranks=[0, 1, 2], steps=[1.0],
-                layout="abc", initial=False)
+                layout="abc", initial=False, rendezvous_key="9e" * 16)
     data.update(change)
     return json.dumps(data).encode()
 
@@ -73,6 +73,7 @@ def _plan(**change):
 def test_a_well_formed_plan_decodes():
     plan = ReshardPlan.decode(_plan())
     assert (plan.old_world, plan.new_world) == (2, 3)
+    assert plan.rendezvous_key == "9e" * 16 and plan.rendezvous_key not in repr(plan)
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -94,6 +95,9 @@ def test_a_well_formed_plan_decodes():
     (_plan(steps=[-1.0]), "steps"),
     (_plan(steps="1"), "steps"),
     (_plan(layout=7), "layout"),
+    (_plan(rendezvous_key=""), "rendezvous_key"),
+    (_plan(rendezvous_key="9E" * 16), "rendezvous_key"),
+    (_plan(rendezvous_key=["9e" * 16]), "rendezvous_key"),
     (_plan(old_ranks=[-1, -1, -1], initial=True, new_ranks=[0, 1, 2]), None),
 ])
 def test_a_hostile_plan_is_refused_naming_what_is_wrong(raw, match):

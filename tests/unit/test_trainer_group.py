@@ -37,8 +37,8 @@ class _ReplicaClient:
     def __init__(self, address: str) -> None:
         self.replica = self.replicas[address]
 
-    def join_group(self, job_id, port, rank, world, epoch):
-        self.replica.join(port, rank, world, epoch)
+    def join_group(self, job_id, port, rank, world, epoch, rendezvous_key):
+        self.replica.join(port, rank, world, epoch, rendezvous_key)
 
     def status(self, job_id):
         return TrainerStatus(job_id, self.replica.state, self.replica.step, 0,
@@ -154,12 +154,18 @@ def test_a_late_joiner_receives_parameters_and_optimizer_state(tiny_model):
 def test_join_is_validated(tiny_model):
     replica = TrainerReplica("job", _spec(tiny_model), "127.0.0.1", device=torch.device("cpu"))
     replica.load()
+    key = "ab" * 16
     with pytest.raises(ValueError, match="master_port"):
-        replica.join(0, 1, 2, 1)
+        replica.join(0, 1, 2, 1, key)
     with pytest.raises(ValueError, match="rank/world_size"):
-        replica.join(1234, 0, 2, 1)
+        replica.join(1234, 0, 2, 1, key)
     with pytest.raises(Exception, match="membership_epoch"):
-        replica.join(1234, 1, 2, 0)
+        replica.join(1234, 1, 2, 0, key)
+    # No unkeyed join: the leader always hands out the group's key.
+    for bad in ("", "AB" * 16, key[:-2], key + "ab"):
+        with pytest.raises(ValueError, match="rendezvous_key"):
+            replica.join(1234, 1, 2, 1, bad)
+    assert replica.state == "standby" and replica.epoch == 0
 
 
 def _elastic_spec(tiny_model, handoff="auto"):

@@ -16,6 +16,7 @@ from reflow.weightsync import (
     check_distinct_gpus,
     engine_worker_rank,
     make_group,
+    new_rendezvous_key,
     receive_weights,
     send_weights,
     specs_of,
@@ -23,6 +24,7 @@ from reflow.weightsync import (
 )
 
 MiB = 1 << 20
+KEY = "0123456789abcdef0123456789abcdef"
 
 
 @pytest.mark.parametrize(
@@ -82,14 +84,17 @@ def test_engine_worker_rank_refuses_an_inconsistent_place(args, message):
 
 
 def _spec(**changes) -> WeightSyncSpec:
-    spec = WeightSyncSpec("10.0.0.1", 29500, 1, 2, "gloo", [("w", [4, 4], "float32")], 64 * MiB)
+    spec = WeightSyncSpec("10.0.0.1", 29500, 1, 2, "gloo", [("w", [4, 4], "float32")], 64 * MiB,
+                          rendezvous_key=KEY)
     return dataclasses.replace(spec, **changes)
 
 
 def test_spec_built_positionally_as_the_trainer_does_is_tp_1():
-    spec = _spec()
+    spec = WeightSyncSpec("10.0.0.1", 29500, 1, 2, "gloo", [("w", [4, 4], "float32")], 64 * MiB,
+                          1, "", KEY)
     assert spec.tensor_parallel_size == 1 and spec.trainer_device_uuid == ""
     spec.check(1, 2, "10.0.0.1")
+    assert KEY not in repr(spec)  # a secret stays out of logs
 
 
 def test_spec_of_a_tp_engine_passes_check_at_its_planned_place():
@@ -110,6 +115,12 @@ def test_spec_of_a_tp_engine_passes_check_at_its_planned_place():
         (dict(rank=2, world_size=3), (1, 3), "rank: 2 is not this worker's rank"),
         (dict(world_size=3), (1, 2), "world_size: 3"),
         (dict(trainer_device_uuid="x" * 65), (1, 2), "trainer_device_uuid"),
+        # No unkeyed join, and only a key as the trainer draws one.
+        (dict(rendezvous_key=""), (1, 2), "rendezvous_key: must be 32 lowercase hex"),
+        (dict(rendezvous_key=KEY.upper()), (1, 2), "rendezvous_key"),
+        (dict(rendezvous_key=KEY[:-1]), (1, 2), "rendezvous_key"),
+        (dict(rendezvous_key=KEY + "a"), (1, 2), "rendezvous_key"),
+        (dict(rendezvous_key=KEY[:-1] + "\n"), (1, 2), "rendezvous_key"),
     ],
 )
 def test_spec_check_names_the_inconsistent_field(changes, check_args, field):
@@ -156,14 +167,15 @@ def test_gloo_broadcast_reaches_every_tp_worker_at_its_planned_rank():
     torch.manual_seed(0)
     named = [("w1", torch.randn(3, 5)), ("w2", torch.randn(7)), ("h", torch.randn(2, 2).half())]
     plan = RankPlan.for_engines([2, 1])
-    port = free_port()
+    port, key = free_port(), new_rendezvous_key()
     received: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
 
     def tp_worker(first_rank: int, tp_size: int, tp_rank: int) -> None:
         try:
             rank = engine_worker_rank(first_rank, tp_size, tp_rank, tp_size, plan.world_size)
-            group = make_group("127.0.0.1", port, rank, plan.world_size, "gloo", timeout_s=30)
+            group = make_group("127.0.0.1", port, rank, plan.world_size, "gloo", timeout_s=30,
+                               rendezvous_key=key)
             got = receive_weights(group, specs_of(named), 64, torch.device("cpu"))
             received[rank] = {name: t.clone() for name, t in got}
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
@@ -176,7 +188,8 @@ def test_gloo_broadcast_reaches_every_tp_worker_at_its_planned_rank():
     ]
     for thread in threads:
         thread.start()
-    group = make_group("127.0.0.1", port, 0, plan.world_size, "gloo", timeout_s=30)
+    group = make_group("127.0.0.1", port, 0, plan.world_size, "gloo", timeout_s=30,
+                       rendezvous_key=key)
     send_weights(group, named, bucket_bytes=64)
     for thread in threads:
         thread.join(30)
@@ -200,7 +213,8 @@ def test_worker_init_joins_at_the_engine_rank_without_a_tp_group():
     def engine_worker() -> None:
         try:
             worker = SimpleNamespace()
-            assert worker_init_weight_sync(worker, "127.0.0.1", port, 1, 2, "gloo", tensors, 64)
+            assert worker_init_weight_sync(worker, "127.0.0.1", port, 1, 2, "gloo", tensors, 64,
+                                           rendezvous_key=KEY)
             state = worker._reflow_wsync
             got = receive_weights(state["group"], state["specs"], state["bucket_bytes"],
                                   torch.device("cpu"))
@@ -210,7 +224,7 @@ def test_worker_init_joins_at_the_engine_rank_without_a_tp_group():
 
     thread = threading.Thread(target=engine_worker)
     thread.start()
-    group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
+    group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30, rendezvous_key=KEY)
     send_weights(group, named, bucket_bytes=64)
     thread.join(30)
     assert not errors
@@ -221,4 +235,5 @@ def test_worker_init_refuses_a_tp_size_the_engine_does_not_run():
     pytest.importorskip("vllm")
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 but this engine runs 1"):
         worker_init_weight_sync(SimpleNamespace(), "127.0.0.1", 1, 1, 3, "gloo",
-                                [("w", [1], "float32")], 64, tensor_parallel_size=2)
+                                [("w", [1], "float32")], 64, tensor_parallel_size=2,
+                                rendezvous_key=KEY)

@@ -117,19 +117,21 @@ tolerations:
 {{- default (printf "%s-grpc-tls" (include "reflow.fullname" .)) .Values.tls.secretName -}}
 {{- end -}}
 
-{{/* Env of a service: (dict "root" $ "control" true) for the scheduler and the API. */}}
+{{/* Env of a service: (dict "root" $ "role" "scheduler"|"api"|"") - the scheduler and the
+API sign their calls with their own key (reflow.capabilities); every gRPC server verifies the
+scheduler's calls with its public key, and the scheduler the API's. */}}
 {{- define "reflow.grpcEnv" -}}
 - name: REFLOW_GRPC_CREDENTIAL_FILE
   value: /var/run/secrets/reflow/grpc/credential
-{{- if .control }}
-- name: REFLOW_CONTROL_CREDENTIAL_FILE
-  value: /var/run/secrets/reflow/grpc/control
-{{- else }}
-- name: REFLOW_CONTROL_CREDENTIAL_SHA256
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "reflow.grpcSecretName" .root }}
-      key: control-sha256
+{{- if .role }}
+- name: REFLOW_{{ upper .role }}_SIGNING_KEY_FILE
+  value: /var/run/secrets/reflow/grpc/{{ .role }}-signing-key
+{{- end }}
+- name: REFLOW_SCHEDULER_PUBLIC_KEY_FILE
+  value: /var/run/secrets/reflow/grpc/scheduler-public-key
+{{- if eq .role "scheduler" }}
+- name: REFLOW_API_PUBLIC_KEY_FILE
+  value: /var/run/secrets/reflow/grpc/api-public-key
 {{- end }}
 {{- if .root.Values.tls.enabled }}
 - name: REFLOW_TLS_CERT_FILE
@@ -152,15 +154,19 @@ tolerations:
 {{- end }}
 {{- end -}}
 
-{{/* Only the scheduler and the API mount the control credential. */}}
+{{/* Each signing role mounts its own private key only; every pod the public keys. */}}
 {{- define "reflow.grpcVolumes" -}}
 - name: grpc-auth
   secret:
     secretName: {{ include "reflow.grpcSecretName" .root }}
     items:
       - {key: credential, path: credential}
-      {{- if .control }}
-      - {key: control, path: control}
+      - {key: scheduler-public-key, path: scheduler-public-key}
+      {{- if .role }}
+      - {key: {{ .role }}-signing-key, path: {{ .role }}-signing-key}
+      {{- end }}
+      {{- if eq .role "scheduler" }}
+      - {key: api-public-key, path: api-public-key}
       {{- end }}
 {{- if .root.Values.tls.enabled }}
 - name: grpc-tls

@@ -1,12 +1,19 @@
-"""Job grants: which token each job's calls must carry (reflow.rpcauth checks
-them; the scheduler issues them). Here without gRPC, so that the scheduler's
-core and the stores can hold and issue tokens.
+"""Job grants: which jobs run on a server, and the job pass this process sends
+with its calls for each (reflow.rpcauth checks them; the scheduler signs the
+passes, reflow.capabilities). Here without gRPC, so that the stores can hold
+them.
+
+A grant is made by the scheduler's signed call naming the job, and lasts until
+the job is stopped on the server (`revoke`). A pass proves the caller's role in
+the job; a grant says the server runs the job at all (a server that holds none
+answers NOT_FOUND, as for a job it never saw).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 
 def digest(secret: str) -> str:
@@ -14,9 +21,9 @@ def digest(secret: str) -> str:
 
 
 class JobTokens:
-    """The process's book of job tokens: those the scheduler issued, or a server
-    was granted. Clients send calls naming a job with its token from here; the
-    in-memory services check calls against it."""
+    """The process's book: for each job it was granted, the pass the scheduler
+    gave it ("" where the call carried none). Clients send calls naming a job
+    with its pass from here; the in-memory services check calls against it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -30,47 +37,56 @@ class JobTokens:
         with self._lock:
             return self._tokens.get(job_id, "")
 
-    def granted_digest(self, job_id: str) -> str | None:
-        token = self.token(job_id)
-        return digest(token) if token else None
+    def granted(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._tokens
+
+    def revoke(self, job_id: str) -> None:
+        with self._lock:
+            self._tokens.pop(job_id, None)
 
 
 JOB_TOKENS = JobTokens()
 
 
 class RedisGrants:
-    """The replay buffer's grants: job -> token digest in one Redis hash, so they
-    outlive a restart and every replica sees them. Read through a local copy; a
-    copy that disagrees with a call is read again (another replica may have been
-    granted a newer token)."""
+    """The replay buffer's grants: the jobs it serves, in one Redis hash, so they
+    outlive a restart and every replica sees them. Read through a local copy
+    that is trusted for CACHE_S (a grant revoked through another replica is
+    seen within that)."""
 
     KEY = "reflow:job_grants"
+    CACHE_S = 5.0
 
     def __init__(self, redis_client) -> None:
         self.redis = redis_client
         self._lock = threading.Lock()
-        self._cache: dict[str, str] = {}
+        self._cache: dict[str, tuple[bool, float]] = {}
 
     def grant(self, job_id: str, token: str) -> None:
-        wanted = digest(token)
+        del token  # the buffer makes no calls of its own for a job
         with self._lock:
-            if self._cache.get(job_id) == wanted:
+            granted, at = self._cache.get(job_id, (False, 0.0))
+            if granted and time.monotonic() - at < self.CACHE_S:
                 return
-        self.redis.hset(self.KEY, job_id, wanted)
+        self.redis.hset(self.KEY, job_id, "1")
         with self._lock:
-            self._cache[job_id] = wanted
+            self._cache[job_id] = (True, time.monotonic())
 
-    def granted_digest(self, job_id: str, fresh: bool = False) -> str | None:
+    def token(self, job_id: str) -> str:
+        return ""
+
+    def granted(self, job_id: str) -> bool:
         with self._lock:
             cached = self._cache.get(job_id)
-        if cached is not None and not fresh:
-            return cached
-        raw = self.redis.hget(self.KEY, job_id)
-        if raw is None:
-            return None
-        value = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if cached is not None and time.monotonic() - cached[1] < self.CACHE_S:
+            return cached[0]
+        value = bool(self.redis.hexists(self.KEY, job_id))
         with self._lock:
-            self._cache[job_id] = value
+            self._cache[job_id] = (value, time.monotonic())
         return value
 
-
+    def revoke(self, job_id: str) -> None:
+        self.redis.hdel(self.KEY, job_id)
+        with self._lock:
+            self._cache[job_id] = (False, time.monotonic())

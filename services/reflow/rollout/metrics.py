@@ -53,7 +53,8 @@ class RolloutCollector:
         yield filtered
         errors = CounterMetricFamily(
             "reflow_rollout_reward_errors", "Samples without a reward, by reason (exception, "
-            "timeout, non_finite, crashed, env_exception, env_timeout); excluded from the loss.",
+            "timeout, non_finite, crashed, resource_limit, protocol, env_exception, "
+            "env_timeout); excluded from the loss.",
             labels=["job_id", "reason"])
         for reason, n in sorted(c.reward_errors_total.items()):
             errors.add_metric([worker.job_id, reason], n)

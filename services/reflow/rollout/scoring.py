@@ -4,13 +4,14 @@ off the worker's event loop), the job's advantage estimator
 treatment of over-long responses and of groups without signal
 (`algorithm.overlong`, `algorithm.dynamic_sampling`; GroupScoring).
 
-A sample whose reward failed (reflow.tasks.rewards: an exception, a timeout, a
-non-finite value; or an environment's error) is **excluded from training**: it
-is kept in its group, so groups stay whole in the buffer, but it gets an
-all-zero loss mask and advantage 0, and the group's baseline is taken over its
-scored members only. Reward 0 instead would teach the policy that whatever made
-the scorer fail (often a long or odd response) is wrong, which it may not be;
-exclusion teaches nothing from a sample nobody scored. The job fails only when
+A sample whose reward failed (reflow.tasks.rewards.REWARD_ERRORS: an exception,
+a timeout, a non-finite value, a crash, a resource limit, a broken protocol; or
+an environment's error) is **excluded from training**: it is kept in its group,
+so groups stay whole in the buffer, but it gets an all-zero loss mask and
+advantage 0, and the group's baseline is taken over its scored members only.
+Reward 0 instead would teach the policy that whatever made the scorer fail
+(often a long or odd response) is wrong, which it may not be; exclusion
+teaches nothing from a sample nobody scored. The job fails only when
 failures pass `task.max_reward_error_rate` over the last `task.reward_error_window`
 samples (ErrorWindow), with the counts by reason in its status.
 

@@ -1,4 +1,5 @@
-"""gRPC transport for the rollout service."""
+"""gRPC transport for the rollout service.
+Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
 
 from __future__ import annotations
 
@@ -17,20 +18,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.service = service
 
     def StartJob(self, request, context):
-        try:
-            spec = JobSpec.model_validate_json(request.spec_json)
-            self.service.start_job(request.job_id, spec, request.replay_address,
-                                   request.weight_sync_rank, request.weight_sync_world_size,
-                                   request.trainer_host)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        spec = JobSpec.model_validate_json(request.spec_json)
+        self.service.start_job(request.job_id, spec, request.replay_address,
+                               request.weight_sync_rank, request.weight_sync_world_size,
+                               request.trainer_host)
         return common_pb2.Ack(ok=True)
 
     def StopJob(self, request, context):
-        try:
-            self.service.stop_job(request.job_id)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.service.stop_job(request.job_id)
         return common_pb2.Ack(ok=True)
 
     def InitWeightSync(self, request, context):
@@ -44,37 +39,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             bucket_bytes=request.bucket_bytes,
             tensor_parallel_size=request.tensor_parallel_size or 1,
             trainer_device_uuid=request.trainer_device_uuid,
+            rendezvous_key=request.rendezvous_key,
         )
-        try:
-            self.service.init_weight_sync(request.job_id, spec, rpc.wait_budget_s(context))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.service.init_weight_sync(request.job_id, spec, rpc.wait_budget_s(context))
         return common_pb2.Ack(ok=True)
 
     def SetSyncPlace(self, request, context):
-        try:
-            self.service.set_sync_place(request.job_id, request.rank, request.world_size)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.service.set_sync_place(request.job_id, request.rank, request.world_size)
         return common_pb2.Ack(ok=True)
 
     def UpdateWeights(self, request, context):
-        try:
-            update = self.service.update_weights(
-                request.job_id, request.policy_version, rpc.wait_budget_s(context),
-                request.resync)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        update = self.service.update_weights(
+            request.job_id, request.policy_version, rpc.wait_budget_s(context),
+            request.resync)
         return rollout_pb2.UpdateWeightsReply(
             policy_version=request.policy_version, pause_s=update.pause_s,
             receive_s=update.receive_s
         )
 
     def GetStats(self, request, context):
-        try:
-            counters, idle_s, state, error = self.service.stats(request.job_id)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        counters, idle_s, state, error = self.service.stats(request.job_id)
         return rollout_pb2.RolloutStats(
             generated_tokens_total=counters.generated_tokens_total,
             finished_samples_total=counters.finished_samples_total,
@@ -95,23 +79,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
 
     def SubmitGroup(self, request, context):
-        try:
-            accepted = self.service.submit_group(
-                request.job_id, request.group_id,
-                Prompt(request.prompt_id, request.prompt_text, request.prompt_answer),
-                request.concurrency_cap,
-                (request.min_tokens, request.max_tokens) if request.max_tokens else None)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        accepted = self.service.submit_group(
+            request.job_id, request.group_id,
+            Prompt(request.prompt_id, request.prompt_text, request.prompt_answer),
+            request.concurrency_cap,
+            (request.min_tokens, request.max_tokens) if request.max_tokens else None)
         return rollout_pb2.SubmitGroupReply(accepted=accepted)
 
     def WaitSamples(self, request, context):
-        try:
-            events = self.service.wait_events(
-                request.job_id, request.since_seq,
-                min(request.wait_s, rpc.wait_budget_s(context)))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        events = self.service.wait_events(
+            request.job_id, request.since_seq,
+            min(request.wait_s, rpc.wait_budget_s(context)))
         return rollout_pb2.SampleEvents(events=[
             rollout_pb2.SampleEvent(
                 seq=e.seq, group_id=e.group_id, sample_index=e.sample_index,
@@ -120,11 +98,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             for e in events])
 
     def Evaluate(self, request, context):
-        try:
-            result = self.service.evaluate(request.job_id, request.num_prompts, request.greedy,
-                                           rpc.wait_budget_s(context))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        result = self.service.evaluate(request.job_id, request.num_prompts, request.greedy,
+                                       rpc.wait_budget_s(context))
         return rollout_pb2.EvaluateReply(
             reward_mean=result.reward_mean, num_samples=result.num_samples,
             num_errors=result.num_errors, policy_version=result.policy_version,

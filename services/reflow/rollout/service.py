@@ -144,7 +144,8 @@ class RolloutService:
                 # Rewards in processes of their own, off the worker's event loop.
                 self._rewards = RewardPool(spec.task.name, spec.task.args,
                                            task_context(spec, self.roots.datasets),
-                                           spec.task.reward_workers, spec.task.reward_timeout_s)
+                                           spec.task.reward_workers, spec.task.reward_timeout_s,
+                                           limits=spec.task.reward_limits)
             self.worker = RolloutWorker(
                 job_id,
                 spec,

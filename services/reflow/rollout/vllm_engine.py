@@ -247,6 +247,7 @@ class VllmEngine:
                 spec.bucket_bytes,
                 spec.tensor_parallel_size,
                 spec.trainer_device_uuid,
+                spec.rendezvous_key,
             ),
         )
 

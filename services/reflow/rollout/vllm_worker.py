@@ -22,10 +22,11 @@ class ReflowWorkerExtension:
     def reflow_init_weight_sync(self, master_address: str, master_port: int, first_rank: int,
                                 world_size: int, backend: str, specs: list, bucket_bytes: int,
                                 tensor_parallel_size: int = 1,
-                                trainer_device_uuid: str = "") -> bool:
+                                trainer_device_uuid: str = "",
+                                rendezvous_key: str = "") -> bool:
         return weightsync.worker_init_weight_sync(
             self, master_address, master_port, first_rank, world_size, backend, specs,
-            bucket_bytes, tensor_parallel_size, trainer_device_uuid)
+            bucket_bytes, tensor_parallel_size, trainer_device_uuid, rendezvous_key)
 
     def reflow_receive_weights(self) -> float:
         return weightsync.worker_receive_weights(self)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -38,7 +37,6 @@ _JOBS = "reflow:jobs"
 _SEQ = "reflow:jobs:seq"
 _ORDER = "reflow:jobs:order"
 # Job id -> the job's token (rpcauth): apart from the records, which the API shows.
-_TOKENS = "reflow:jobs:tokens"
 # A job keeps at most this many step records (a 100k-step run's worth).
 MAX_METRICS_RECORDS = 100_000
 # How long a job's terminal record keeps being retried, and how often.
@@ -104,13 +102,6 @@ class JobStore:
         if created or self.redis.hget(_JOBS, record.job_id) == payload.encode():
             return record, True
         return self.get(record.job_id), False
-
-    def job_token(self, job_id: str) -> str:
-        """The job's token for its data-plane calls (rpcauth), issued at its first
-        placement and the same ever after: services that outlive a scheduler
-        restart keep accepting it."""
-        self.redis.hsetnx(_TOKENS, job_id, secrets.token_urlsafe(32))
-        return self.redis.hget(_TOKENS, job_id).decode()
 
     def exists(self, job_id: str) -> bool:
         return bool(self.redis.hexists(_JOBS, job_id))

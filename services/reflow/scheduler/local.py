@@ -81,7 +81,7 @@ class LocalBackend:
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
         env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
                **self._cpu_env(service, colocated),
-               # The control credential stays here; a service verifies it by digest.
+               # The signing keys stay here; a service gets the public keys only.
                **rpcauth.service_env()}
         # Each service leads a process group that its processes (vLLM's engine core)
         # join: release() finds them even after the service itself died.

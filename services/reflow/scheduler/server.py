@@ -1,4 +1,5 @@
-"""gRPC transport for the scheduler."""
+"""gRPC transport for the scheduler.
+Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
 
 from __future__ import annotations
 
@@ -28,64 +29,39 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.scheduler = scheduler
 
     def SubmitJob(self, request, context):
-        try:
-            record, created = self.scheduler.submit(request.spec_json, request.job_id,
-                                                    request.run_dir)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        record, created = self.scheduler.submit(request.spec_json, request.job_id,
+                                                request.run_dir)
         return scheduler_pb2.SubmitJobReply(job=record_to_proto(record), created=created)
 
     def GetJob(self, request, context):
-        try:
-            return record_to_proto(self.scheduler.get(request.job_id))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return record_to_proto(self.scheduler.get(request.job_id))
 
     def StopJob(self, request, context):
-        try:
-            return record_to_proto(self.scheduler.stop(request.job_id))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return record_to_proto(self.scheduler.stop(request.job_id))
 
     def ResumeJob(self, request, context):
-        try:
-            return record_to_proto(self.scheduler.resume(request.job_id))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return record_to_proto(self.scheduler.resume(request.job_id))
 
     def ListJobs(self, request, context):
-        try:
-            records, token = self.scheduler.list(request.limit or 100, request.page_token)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        records, token = self.scheduler.list(request.limit or 100, request.page_token)
         return scheduler_pb2.ListJobsReply(jobs=[record_to_proto(r) for r in records],
                                            next_page_token=token)
 
     def GetJobLogs(self, request, context):
-        try:
-            logs = self.scheduler.logs(request.job_id, request.service,
-                                       request.tail_bytes or 65536)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        logs = self.scheduler.logs(request.job_id, request.service,
+                                   request.tail_bytes or 65536)
         return scheduler_pb2.JobLogsReply(logs=[
             scheduler_pb2.ServiceLog(service=l.service, text=l.text, truncated=l.truncated)
             for l in logs
         ])
 
     def GetJobMetrics(self, request, context):
-        try:
-            records = self.scheduler.metrics(request.job_id, request.since_step,
-                                             request.limit or 1000)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        records = self.scheduler.metrics(request.job_id, request.since_step,
+                                         request.limit or 1000)
         return scheduler_pb2.JobMetricsReply(records_json=[json.dumps(r) for r in records])
 
-
     def RequestFlip(self, request, context):
-        try:
-            queued = self.scheduler.request_flip(request.job_id, request.worker, request.role)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        queued = self.scheduler.request_flip(request.job_id, request.worker, request.role)
         return scheduler_pb2.FlipReply(queued_before=queued)
 
 

@@ -29,7 +29,6 @@ from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.tasks import build_task, check_task
 from reflow.core.errors import PermanentError
-from reflow.core.grants import JOB_TOKENS
 from reflow.scheduler.controller import JobController
 from reflow.scheduler.dispatch import Dispatcher
 from reflow.scheduler.inflight import DispatchLedger
@@ -336,11 +335,10 @@ class Scheduler(JobRecovery):
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
 
     def _grant(self, job_id: str, placement: Placement) -> None:
-        """The job's token (rpcauth), into this process's book: every call the
-        scheduler makes for the job carries it, and each service it reaches with
-        a control call holds it from then on. The replay buffer gets it first,
-        by a read, before the trainer configures the job there."""
-        JOB_TOKENS.grant(job_id, self.store.job_token(job_id))
+        """Put the job on the replay buffer (rpcauth): the scheduler's signed calls
+        naming a job grant it there, and this read is the first, before the
+        trainer configures the job with its pass. The workers are granted the job,
+        with their passes, by the calls that start it on them."""
         # Placed services are up: a buffer that does not answer within the channel's
         # own retries (rpc.RETRY_POLICY, a few seconds) fails the job.
         replay = GrpcReplayClient(placement.replay_address, retry_s=0.0)

@@ -87,12 +87,13 @@ class GrpcTrainerClient:
         return self._stub.Reconfigure(req, timeout=self.deadline_s).membership_epoch
 
     def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,
-                   membership_epoch: int) -> None:
+                   membership_epoch: int, rendezvous_key: str) -> None:
         from reflow.v1 import trainer_pb2
 
         req = trainer_pb2.JoinGroupRequest(job_id=job_id, master_port=master_port, rank=rank,
                                            world_size=world_size,
-                                           membership_epoch=membership_epoch)
+                                           membership_epoch=membership_epoch,
+                                           rendezvous_key=rendezvous_key)
         self._stub.JoinGroup(req, timeout=self.deadline_s)
 
     def close(self) -> None:

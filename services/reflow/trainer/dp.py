@@ -8,7 +8,8 @@ summed gradients keep the replicas' weights identical after every step.
 
 The group is a private torch.distributed process group (gloo on CPU, NCCL on
 GPU) on its own TCPStore, like the weight-sync group, so it can be torn down
-and rebuilt whenever the membership changes: a replica joins by receiving the
+and rebuilt whenever the membership changes (each build under a new rendezvous
+key the leader draws and hands out with the port, weightsync.make_group): a replica joins by receiving the
 leader's parameters and optimizer state, a replica leaves by dropping out of
 the next group (its state stays in its process's memory).
 
@@ -93,9 +94,13 @@ class TrainerGroup:
 
     @classmethod
     def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
-              epoch: int, device: torch.device, timeout_s: float) -> TrainerGroup:
+              epoch: int, device: torch.device, timeout_s: float, *,
+              rendezvous_key: str) -> TrainerGroup:
+        """`rendezvous_key`: the group's secret (weightsync.new_rendezvous_key), drawn
+        by the leader and handed to the replicas with the port."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        sync = make_group(master_address, master_port, rank, world_size, backend, timeout_s)
+        sync = make_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                          rendezvous_key=rendezvous_key)
         return cls(sync, rank, world_size, epoch, device)
 
     # --- collectives ------------------------------------------------------------------

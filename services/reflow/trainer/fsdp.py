@@ -12,7 +12,9 @@ already normalised by the whole batch's tokens on every rank (step.py), as the
 replicated group's summed all-reduce is.
 
 The group is this process's default torch.distributed group (FSDP2's
-DeviceMesh needs one), on its own TCPStore; a process holds at most one.
+DeviceMesh needs one), on its own TCPStore under the rendezvous key the leader
+drew (sent with the port in the reshard plan, weightsync.make_group); a process
+holds at most one.
 Parameter FQNs are the Hugging Face model's own, so a sharded checkpoint and a
 replicated one name the same tensors and DCP re-shards either into any world
 size (trainer/checkpoint.py's format). A membership change moves each rank's
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.trainer.dp import TrainerGroup
-from reflow.weightsync import SyncGroup
+from reflow.weightsync import SyncGroup, check_rendezvous_key, key_redacted, keyed_store
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,10 @@ class ShardedGroup(TrainerGroup):
 
     @classmethod
     def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
-              device: torch.device, timeout_s: float = 600.0, epoch: int = 1) -> ShardedGroup:
+              device: torch.device, timeout_s: float = 600.0, epoch: int = 1, *,
+              rendezvous_key: str) -> ShardedGroup:
+        """`rendezvous_key`: the group's secret, as TrainerGroup.build's."""
+        check_rendezvous_key(rendezvous_key)
         if dist.is_initialized():
             raise RuntimeError("this process already holds a trainer group; close it first")
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,8 +147,10 @@ class ShardedGroup(TrainerGroup):
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                               timeout=timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore(_STORE_PREFIX, store),
-                                rank=rank, world_size=world_size, timeout=timeout)
+        with key_redacted(rendezvous_key):
+            dist.init_process_group(backend, store=keyed_store(store, rendezvous_key,
+                                                               _STORE_PREFIX),
+                                    rank=rank, world_size=world_size, timeout=timeout)
         mesh = init_device_mesh(device.type, (world_size,))
         return cls(SyncGroup(dist.group.WORLD, store), rank, world_size, epoch, device,
                    mesh=mesh)

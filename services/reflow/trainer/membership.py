@@ -25,6 +25,7 @@ import time
 
 from reflow.procs import free_port
 from reflow.trainer.dp import GroupBroken, TrainerGroup
+from reflow.weightsync import new_rendezvous_key
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,9 @@ class GroupMembership:
         # not refused as a stale one by the replicas its predecessor led.
         epoch = max([self.membership_epoch, *their_epochs]) + 1
         if peers:
-            group = self._rendezvous(peers, lambda port, world: TrainerGroup.build(
-                self.master_address, port, 0, world, epoch, self.device, self.group_timeout_s),
-                epoch)
+            group = self._rendezvous(peers, lambda port, world, key: TrainerGroup.build(
+                self.master_address, port, 0, world, epoch, self.device, self.group_timeout_s,
+                rendezvous_key=key), epoch)
             self.last_handoff = group.transfer_state(self.model, self.optimizer,
                                                      self.shared_state)
             self.group = group
@@ -173,14 +174,14 @@ class GroupMembership:
                     f", state by {self.last_handoff}" if peers else "")
 
     def _rendezvous(self, peers: list[str], build, epoch: int):
-        """Every replica in `peers` asked to join (rank 1, 2, ... on a new port)
-        while this leader builds rank 0 (`build(port, world)`); returns the group
-        once all have joined."""
-        port, world = free_port(), 1 + len(peers)
+        """Every replica in `peers` asked to join (rank 1, 2, ... on a new port, under
+        a new rendezvous key) while this leader builds rank 0 (`build(port, world,
+        key)`); returns the group once all have joined."""
+        port, world, key = free_port(), 1 + len(peers), new_rendezvous_key()
         joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
-                                   port, rank, world, epoch)
+                                   port, rank, world, epoch, key)
                  for rank, address in enumerate(peers, start=1)]
-        group = build(port, world)
+        group = build(port, world, key)
         for f in joins:
             f.result()
         return group
@@ -212,8 +213,11 @@ class GroupMembership:
         # Union ranks: this leader, the current ranks in rank order, the joiners.
         union = [*holders, *joiners]
         members = [a for a in peers if a in union]
+        # Each rendezvous's key travels with its port: the union's in the JoinGroup
+        # RPC and the current group's reshard command, the new group's in the plan.
+        union_key = new_rendezvous_key()
         plan = reshard.ReshardPlan(
-            epoch=epoch, port=free_port(),
+            epoch=epoch, port=free_port(), rendezvous_key=new_rendezvous_key(),
             old_ranks=[-1 if initial else 0, *range(1, 1 + len(holders)), *[-1] * len(joiners)],
             new_ranks=[0, *[members.index(a) + 1 if a in members else -1 for a in union]],
             steps=[] if initial else reshard.optimizer_steps(self.root, self.optimizer),
@@ -223,12 +227,14 @@ class GroupMembership:
             if not initial:
                 # The current ranks build the union group with this leader.
                 self.group.send_command("reshard", self.step, arg=json.dumps(
-                    {"port": union_port, "world": world, "epoch": epoch}))
+                    {"port": union_port, "world": world, "epoch": epoch,
+                     "rendezvous_key": union_key}))
             joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
-                                       union_port, rank, world, epoch)
+                                       union_port, rank, world, epoch, union_key)
                      for rank, address in enumerate(union, start=1) if address in joiners]
             group = TrainerGroup.build(self.master_address, union_port, 0, world, epoch,
-                                       self.device, self.group_timeout_s)
+                                       self.device, self.group_timeout_s,
+                                       rendezvous_key=union_key)
             for f in joins:
                 f.result()
             try:

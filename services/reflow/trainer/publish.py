@@ -21,7 +21,7 @@ import torch
 from reflow.procs import free_port
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
-                               send_weights, specs_of)
+                               new_rendezvous_key, send_weights, specs_of)
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,11 @@ class WeightPublisher:
     def init_weight_sync(self) -> None:
         """Build the broadcast group: trainer rank 0, then each rollout engine's
         tensor-parallel workers in turn (weightsync.RankPlan; with TP 1 engine i is
-        rank i+1)."""
+        rank i+1). Each build draws a new rendezvous key, handed to the engines in
+        the authenticated InitWeightSync (weightsync.make_group)."""
         named = self._named_weights()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        port = free_port()
+        port, key = free_port(), new_rendezvous_key()
         tp = self.spec.rollout.tensor_parallel_size
         plan = RankPlan.for_engines([tp] * len(self.rollouts))
         world = plan.world_size
@@ -51,11 +52,12 @@ class WeightPublisher:
                 client.init_weight_sync,
                 self.job_id,
                 WeightSyncSpec(self.master_address, port, plan.first_rank(i), world, backend,
-                               tensors, DEFAULT_BUCKET_BYTES, tp, device_uuid),
+                               tensors, DEFAULT_BUCKET_BYTES, tp, device_uuid, key),
             )
             for i, client in enumerate(self.rollouts)
         ]
-        self._sync_group = make_group(self.master_address, port, 0, world, backend)
+        self._sync_group = make_group(self.master_address, port, 0, world, backend,
+                                      rendezvous_key=key)
         for f in futures:
             f.result()
         logger.info("job %s: weight sync group ready (%s, %d ranks)", self.job_id, backend, world)

@@ -27,6 +27,7 @@ from reflow.trainer.handoff import materialise_optimizer_state
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.schedule import set_learning_rate
 from reflow.trainer.step import compute_step
+from reflow.weightsync import check_rendezvous_key
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,12 @@ class TrainerReplica:
         finally:
             self._loaded.set()
 
-    def join(self, master_port: int, rank: int, world_size: int, epoch: int) -> None:
+    def join(self, master_port: int, rank: int, world_size: int, epoch: int,
+             rendezvous_key: str) -> None:
         """Join the leader's group of this epoch (returns at once; the group is built
-        on a thread, as the leader builds its side)."""
+        on a thread, as the leader builds its side), under the rendezvous key the
+        leader drew for it."""
+        check_rendezvous_key(rendezvous_key)
         if not 1 <= master_port <= 65535:
             raise ValueError(f"master_port: {master_port} is not a port")
         if not 1 <= rank < world_size <= MAX_GROUP_SIZE:
@@ -86,11 +90,13 @@ class TrainerReplica:
                 raise FailedPrecondition(f"this replica is {self.state}, not standing by")
             self.state, self.epoch = "joining", epoch
             self._thread = threading.Thread(target=self._follow,
-                                            args=(master_port, rank, world_size, epoch),
+                                            args=(master_port, rank, world_size, epoch,
+                                                  rendezvous_key),
                                             name="trainer-replica", daemon=True)
             self._thread.start()
 
-    def _follow(self, master_port: int, rank: int, world_size: int, epoch: int) -> None:
+    def _follow(self, master_port: int, rank: int, world_size: int, epoch: int,
+                rendezvous_key: str) -> None:
         loop = self.loop
         group = None
         try:
@@ -98,10 +104,12 @@ class TrainerReplica:
                 raise RuntimeError(f"the replica did not load: {self.error or 'timed out'}")
             started = time.monotonic()
             if loop.sharded:
-                group, how = self._join_sharded(master_port, rank, world_size, epoch)
+                group, how = self._join_sharded(master_port, rank, world_size, epoch,
+                                                rendezvous_key)
             else:
                 group = TrainerGroup.build(self.leader_host, master_port, rank, world_size,
-                                           epoch, loop.device, loop.group_timeout_s)
+                                           epoch, loop.device, loop.group_timeout_s,
+                                           rendezvous_key=rendezvous_key)
                 how = group.transfer_state(loop.model, loop.optimizer)
             logger.info("job %s: replica rank %d/%d of epoch %d, state %s in %.2fs",
                         self.job_id, rank, world_size, epoch, how, time.monotonic() - started)
@@ -161,7 +169,8 @@ class TrainerReplica:
                 group.abort()  # the leader's collective with it fails now, not at a timeout
             self.state, self.error = "failed", f"{type(err).__name__}: {err}"
 
-    def _join_sharded(self, master_port: int, rank: int, world_size: int, epoch: int):
+    def _join_sharded(self, master_port: int, rank: int, world_size: int, epoch: int,
+                      rendezvous_key: str):
         """Join an FSDP group's membership change (trainer/reshard.py) as a process
         with no shards yet: the union group the leader named, its plan, then this
         process's new shards, sharded from the weights it loaded (the first
@@ -170,7 +179,8 @@ class TrainerReplica:
 
         loop = self.loop
         union = TrainerGroup.build(self.leader_host, master_port, rank, world_size, epoch,
-                                   loop.device, loop.group_timeout_s)
+                                   loop.device, loop.group_timeout_s,
+                                   rendezvous_key=rendezvous_key)
         try:
             plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))
             if (plan.epoch != epoch or len(plan.new_ranks) != world_size
@@ -192,15 +202,17 @@ class TrainerReplica:
         try:
             order = json.loads(arg)
             port, world, epoch = int(order["port"]), int(order["world"]), int(order["epoch"])
+            key = check_rendezvous_key(order["rendezvous_key"])
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"trainer group: reshard command {arg[:200]!r}: {err}") from None
+            # Not the command itself: it holds the union's rendezvous key.
+            raise ValueError(f"trainer group: reshard command: {err}") from None
         if not (1 <= port <= 65535 and group.world_size <= world <= MAX_GROUP_SIZE
                 and epoch > self.epoch):
             raise ValueError(f"trainer group: reshard to port {port}, {world} ranks, epoch "
                              f"{epoch} from epoch {self.epoch}")
         me = group.rank  # the union lists the current ranks first, in rank order
         union = TrainerGroup.build(self.leader_host, port, me, world, epoch, loop.device,
-                                   loop.group_timeout_s)
+                                   loop.group_timeout_s, rendezvous_key=key)
         try:
             plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))
             if plan.epoch != epoch or len(plan.old_ranks) != world or plan.old_ranks[me] != me:

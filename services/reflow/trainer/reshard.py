@@ -29,13 +29,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from reflow.trainer.dp import TrainerGroup
 from reflow.trainer.fsdp import ShardedGroup, policy_parameters, shard_policy
 from reflow.trainer.handoff import materialise_optimizer_state
+from reflow.weightsync import check_rendezvous_key
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,8 @@ def plan_moves(lengths: list[int], old_ranks: list[int], new_ranks: list[int]) -
 class ReshardPlan:
     """One membership change of an FSDP group, as the leader sends it: per union
     rank its rank in the old group and in the new one (-1 where it is not a
-    member), the new group's port and epoch, AdamW's step count per parameter,
-    and the digest of the state's layout every member must share."""
+    member), the new group's port, rendezvous key and epoch, AdamW's step count
+    per parameter, and the digest of the state's layout every member must share."""
 
     epoch: int
     port: int
@@ -102,6 +103,9 @@ class ReshardPlan:
     steps: list[float]
     layout: str
     initial: bool = False
+    # The new group's secret (weightsync.make_group), drawn by the leader; the plan
+    # travels over the union group, itself keyed.
+    rendezvous_key: str = field(default="", repr=False)
 
     @property
     def old_world(self) -> int:
@@ -142,6 +146,10 @@ class ReshardPlan:
             raise ValueError("reshard plan: only the first membership has no old ranks")
         if not (isinstance(plan.port, int) and 1 <= plan.port <= 65535):
             raise ValueError(f"reshard plan: port {plan.port!r}")
+        try:
+            check_rendezvous_key(plan.rendezvous_key)
+        except ValueError as err:
+            raise ValueError(f"reshard plan: {err}") from None
         if not (isinstance(plan.steps, list)
                 and all(isinstance(s, (int, float)) and s >= 0 for s in plan.steps)):
             raise ValueError("reshard plan: steps must be non-negative numbers")
@@ -314,7 +322,8 @@ def apply_plan(loop, plan: ReshardPlan, me: int, union: TrainerGroup, host: str)
         loop.optimizer = None
         return None, received
     group = ShardedGroup.build(host, plan.port, new_rank, plan.new_world, loop.device,
-                               loop.group_timeout_s, plan.epoch)
+                               loop.group_timeout_s, plan.epoch,
+                               rendezvous_key=plan.rendezvous_key)
     try:
         if plan.initial:
             # The first membership: the weights every rank loaded, sharded in place.

@@ -1,4 +1,5 @@
-"""gRPC transport for the trainer service."""
+"""gRPC transport for the trainer service.
+Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
 
 from __future__ import annotations
 
@@ -17,28 +18,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.service = service
 
     def StartJob(self, request, context):
-        try:
-            spec = JobSpec.model_validate_json(request.spec_json)
-            self.service.start_job(request.job_id, spec, request.replay_address,
-                                   list(request.rollout_addresses), request.run_dir,
-                                   list(request.trainer_peers), request.leader_host,
-                                   request.resume_from)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        spec = JobSpec.model_validate_json(request.spec_json)
+        self.service.start_job(request.job_id, spec, request.replay_address,
+                               list(request.rollout_addresses), request.run_dir,
+                               list(request.trainer_peers), request.leader_host,
+                               request.resume_from)
         return common_pb2.Ack(ok=True)
 
     def StopJob(self, request, context):
-        try:
-            self.service.stop_job(request.job_id)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.service.stop_job(request.job_id)
         return common_pb2.Ack(ok=True)
 
     def GetStatus(self, request, context):
-        try:
-            s = self.service.status(request.job_id, request.since_step)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        s = self.service.status(request.job_id, request.since_step)
         return trainer_pb2.TrainerStatus(
             job_id=s["job_id"], state=s["state"], step=s["step"],
             policy_version=s["policy_version"],
@@ -49,21 +41,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     def Reconfigure(self, request, context):
-        try:
-            peers = None if request.keep_peers else list(request.trainer_peers)
-            epoch = self.service.reconfigure(request.job_id, peers,
-                                             list(request.rollout_addresses),
-                                             scripted_flips=request.scripted_flips)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        peers = None if request.keep_peers else list(request.trainer_peers)
+        epoch = self.service.reconfigure(request.job_id, peers,
+                                         list(request.rollout_addresses),
+                                         scripted_flips=request.scripted_flips)
         return trainer_pb2.ReconfigureReply(membership_epoch=epoch)
 
     def JoinGroup(self, request, context):
-        try:
-            self.service.join_group(request.job_id, request.master_port, request.rank,
-                                    request.world_size, request.membership_epoch)
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        self.service.join_group(request.job_id, request.master_port, request.rank,
+                                request.world_size, request.membership_epoch,
+                                request.rendezvous_key)
         return common_pb2.Ack(ok=True)
 
 

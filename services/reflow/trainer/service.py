@@ -132,9 +132,10 @@ class TrainerService:
             update={"path": str(model_path)})})
 
     def join_group(self, job_id: str, master_port: int, rank: int, world_size: int,
-                   epoch: int) -> None:
-        """Replica: join the leader's group (on the leader host fixed at start)."""
-        self._replica_for(job_id).join(master_port, rank, world_size, epoch)
+                   epoch: int, rendezvous_key: str) -> None:
+        """Replica: join the leader's group (on the leader host fixed at start) under
+        the rendezvous key the leader drew for it."""
+        self._replica_for(job_id).join(master_port, rank, world_size, epoch, rendezvous_key)
 
     def reconfigure(self, job_id: str, peers: list[str] | None,
                     rollout_addresses: list[str] | None = None, scripted_flips: int = 0) -> int:

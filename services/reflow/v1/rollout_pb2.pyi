@@ -112,7 +112,7 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class InitWeightSyncRequest(_message.Message):
-    __slots__ = ("job_id", "master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes", "tensor_parallel_size", "trainer_device_uuid")
+    __slots__ = ("job_id", "master_address", "master_port", "rank", "world_size", "backend", "tensors", "bucket_bytes", "tensor_parallel_size", "trainer_device_uuid", "rendezvous_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class InitWeightSyncRequest(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     master_address: str
     master_port: int
@@ -133,7 +134,8 @@ class InitWeightSyncRequest(_message.Message):
     bucket_bytes: int
     tensor_parallel_size: int
     trainer_device_uuid: str
-    def __init__(self, job_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., trainer_device_uuid: _Optional[str] = ...) -> None: ...
+    rendezvous_key: str
+    def __init__(self, job_id: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., trainer_device_uuid: _Optional[str] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("job_id", "policy_version", "resync")

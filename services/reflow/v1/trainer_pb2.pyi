@@ -28,18 +28,20 @@ class ReconfigureReply(_message.Message):
     def __init__(self, membership_epoch: _Optional[int] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
-    __slots__ = ("job_id", "master_port", "rank", "world_size", "membership_epoch")
+    __slots__ = ("job_id", "master_port", "rank", "world_size", "membership_epoch", "rendezvous_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     master_port: int
     rank: int
     world_size: int
     membership_epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    rendezvous_key: str
+    def __init__(self, job_id: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
 
 class TrainerStatusRequest(_message.Message):
     __slots__ = ("job_id", "since_step")

@@ -1,8 +1,8 @@
-"""gRPC transport for the Worker service (an AsyncHybrid worker's role)."""
+"""gRPC transport for the Worker service (an AsyncHybrid worker's role).
+Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
 
 from __future__ import annotations
 
-from reflow import rpc
 from reflow.v1 import worker_pb2, worker_pb2_grpc
 from reflow.worker.service import HybridWorker, RoleStatus
 
@@ -18,18 +18,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker = worker
 
     def SetRole(self, request, context):
-        try:
-            return _to_proto(self.worker.set_role(request.job_id, request.role,
-                                                  request.drain_timeout_s or 60.0,
-                                                  request.hand_back))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return _to_proto(self.worker.set_role(request.job_id, request.role,
+                                              request.drain_timeout_s or 60.0,
+                                              request.hand_back))
 
     def GetRole(self, request, context):
-        try:
-            return _to_proto(self.worker.role(request.job_id))
-        except Exception as err:  # noqa: BLE001
-            rpc.abort_on(context, err)
+        return _to_proto(self.worker.role(request.job_id))
 
 
 SERVICE_NAME = "reflow.v1.Worker"

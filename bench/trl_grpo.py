@@ -155,58 +155,35 @@ def schedule_options(trainer) -> dict:
             "warmup_steps": trainer.warmup_steps}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="a ReFlow job spec (YAML)")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads (default: every core)")
-    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    args = parser.parse_intermixed_args(argv)
-    process_start = time.monotonic()
-
-    import torch
+def task_dataset(spec):
+    """(task, prompts, dataset): the job's first num_steps x batch / group prompts,
+    in the seeded order its dispatcher draws them, as TRL's train dataset. A chat
+    task's prompts go as conversations: TRL renders them with the model's chat
+    template, as ReFlow's rollout workers do."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    from reflow.core.config import load_job_spec
-    from reflow.models.tiny import ensure_model
-    from reflow.tasks import ChatTask, Prompt, build_task
+    from reflow.tasks import ChatTask, build_task
 
-    spec = load_job_spec(args.config, args.overrides)
-    out = Path(args.out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(args.threads)
-    model_dir = ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
-
-    batch, group = spec.trainer.batch_size, spec.rollout.group_size
-    loss = loss_options(spec)  # before the model loads: a refused setting fails at once
-    task = build_task(spec)  # the same prompt stream the job's dispatcher draws
+    task = build_task(spec)
     stream = task.prompts()
-    prompts = [next(stream) for _ in range(spec.trainer.num_steps * batch // group)]
-    # A chat task's prompts go to TRL as conversations: TRL renders them with the
-    # model's chat template, as ReFlow's rollout workers do.
+    count = spec.trainer.num_steps * spec.trainer.batch_size // spec.rollout.group_size
+    prompts = [next(stream) for _ in range(count)]
     chat = isinstance(task, ChatTask)
     dataset = Dataset.from_list([{"prompt": task.prompt_messages(p) if chat else p.text,
                                   "prompt_id": p.prompt_id, "answer": p.answer, "text": p.text}
                                  for p in prompts])
+    return task, prompts, dataset
 
-    step_tokens: list[int] = []
 
-    def task_reward(prompts, completions, completion_ids, prompt_id, answer, text, **_):
-        # Called once per generated batch: also where its response tokens are counted.
-        step_tokens.append(sum(len(ids) for ids in completion_ids))
-        # A conversation's completion is a list of messages: the assistant's text.
-        texts = [c[-1]["content"] if chat else c for c in completions]
-        return [task.reward(Prompt(prompt_id=pid, text=t, answer=ans), completion)
-                for t, completion, pid, ans in zip(text, texts, prompt_id, answer)]
+def grpo_config(spec, out: Path, loss: dict):
+    """GRPOConfig for the spec: the mapping in the module docstring, `loss` from
+    loss_options, one optimizer step per generated batch, on the CPU in fp32."""
+    from trl import GRPOConfig
 
-    config = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(out / "trl"),
-        num_generations=group,
-        per_device_train_batch_size=batch,
+        num_generations=spec.rollout.group_size,
+        per_device_train_batch_size=spec.trainer.batch_size,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         max_steps=spec.trainer.num_steps,
@@ -235,6 +212,49 @@ def main(argv: list[str] | None = None) -> int:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="a ReFlow job spec (YAML)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads (default: every core)")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    args = parser.parse_intermixed_args(argv)
+    process_start = time.monotonic()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer
+
+    from reflow.core.config import load_job_spec
+    from reflow.models.tiny import ensure_model
+    from reflow.tasks import ChatTask, Prompt
+
+    spec = load_job_spec(args.config, args.overrides)
+    out = Path(args.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_model(spec.model.path, spec.model.build_if_missing, seed=spec.seed)
+
+    batch = spec.trainer.batch_size
+    loss = loss_options(spec)  # before the model loads: a refused setting fails at once
+    task, prompts, dataset = task_dataset(spec)
+    chat = isinstance(task, ChatTask)
+
+    step_tokens: list[int] = []
+
+    def task_reward(prompts, completions, completion_ids, prompt_id, answer, text, **_):
+        # Called once per generated batch: also where its response tokens are counted.
+        step_tokens.append(sum(len(ids) for ids in completion_ids))
+        # A conversation's completion is a list of messages: the assistant's text.
+        texts = [c[-1]["content"] if chat else c for c in completions]
+        return [task.reward(Prompt(prompt_id=pid, text=t, answer=ans), completion)
+                for t, completion, pid, ans in zip(text, texts, prompt_id, answer)]
+
+    config = grpo_config(spec, out, loss)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)  # nosec B615
     model = AutoModelForCausalLM.from_pretrained(  # nosec B615 # local dir only
         model_dir, dtype=torch.float32, local_files_only=True)

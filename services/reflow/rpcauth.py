@@ -326,8 +326,10 @@ class Authorizer(grpc.ServerInterceptor):
         if claims is not None:  # the scheduler's (or the API's) own call
             if job_id and (method in GRANTING or self.grant_on_any):
                 self.grants.grant(job_id, token)
-            elif job_id and token and self.grants.granted(job_id):
-                self.grants.grant(job_id, token)  # a fresh pass for its holder
+            elif job_id and token and self._same_role(self.grants.token(job_id), token):
+                # A fresh pass for its holder; a probe through the other service of a
+                # hybrid worker (the other role's pass) leaves the holder's pass as it is.
+                self.grants.grant(job_id, token)
             return None
         if role is not None:
             return grpc.StatusCode.PERMISSION_DENIED, f"{method}: only the {role} may call this"
@@ -350,6 +352,19 @@ class Authorizer(grpc.ServerInterceptor):
             return (grpc.StatusCode.PERMISSION_DENIED,
                     f"{method}: {who} only, not a {held.role}")
         return None
+
+
+    def _same_role(self, held: str, fresh: str) -> bool:
+        """Whether `fresh` is a pass of the same role as the pass held (both the
+        scheduler's; False when none is held)."""
+        if not held:
+            return False
+        try:
+            key = self.creds.trusted[NO_JOB_ROLE]
+            # The held pass may have expired: its role still says whose it is.
+            return caps.read_pass(held, key, now=0).role == caps.read_pass(fresh, key).role
+        except caps.CapabilityError:
+            return False
 
 
 def _code(context) -> grpc.StatusCode | None:

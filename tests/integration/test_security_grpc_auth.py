@@ -364,6 +364,33 @@ def test_an_expired_pass_a_stopped_jobs_pass_and_a_forged_one_are_refused(cluste
         JOB_TOKENS.revoke(job)
 
 
+def test_a_probe_through_the_other_service_leaves_a_hybrid_workers_pass_as_it_is(cluster):
+    """A new scheduler re-adopting a job asks each worker through both services; the
+    rollout pass its Rollout call carries must not replace the pass of a process
+    that runs the job as its trainer (its next Release would be refused), while a
+    fresh pass of the same role does replace it."""
+    addresses, _ = cluster
+    credential = rpcauth.credentials().credential
+    service, job = "reflow.v1.Rollout", "job-d"
+    method = next(m for s, m in every_rpc() if s == service and m.name == "GetStats")
+    address, request = addresses[service], _request(method, job)
+    import time
+
+    held = capabilities.issue_pass(rpcauth.credentials().signing["scheduler"], job, "trainer",
+                                   now=time.time() - 60)  # older: a fresh one differs
+    JOB_TOKENS.grant(job, held)
+    try:
+        for role in ("rollout", "trainer"):
+            fresh = _pass(job, role)
+            _call(address, service, method, request,
+                  [(rpcauth.CREDENTIAL_KEY, credential),
+                   _signed(address, service, method, request), (rpcauth.JOB_TOKEN_KEY, fresh)])
+            expected = held if role == "rollout" else fresh
+            assert held != fresh and JOB_TOKENS.token(job) == expected, role
+    finally:
+        JOB_TOKENS.revoke(job)
+
+
 def test_a_job_a_server_was_never_granted_is_not_found_and_nothing_is_written(cluster,
                                                                              redis_client):
     addresses, _ = cluster

@@ -134,6 +134,30 @@ class Claims:
     nonce: str
 
 
+def _seal(key: Ed25519PrivateKey, version: str, payload: dict) -> str:
+    """version.payload.signature, the signature over "version.payload"."""
+    head = f"{version}.{_b64(json.dumps(payload, separators=(',', ':')).encode())}"
+    return f"{head}.{_b64(key.sign(head.encode()))}"
+
+
+def _open(token: str, version: str, what: str) -> tuple[dict, bytes, bytes]:
+    """(payload, signature, signed bytes) of a sealed token, unverified;
+    CapabilityError if it is not one."""
+    if not token or len(token) > MAX_TOKEN_CHARS:
+        raise CapabilityError(f"no {what}, or one too long")
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != version:
+        raise CapabilityError(f"not a {version} {what}")
+    try:
+        raw = json.loads(_unb64(parts[1]))
+        signature = _unb64(parts[2])
+    except ValueError as err:
+        raise CapabilityError(f"malformed {what} ({type(err).__name__})") from None
+    if not isinstance(raw, dict):
+        raise CapabilityError(f"malformed {what} (not an object)")
+    return raw, signature, f"{parts[0]}.{parts[1]}".encode()
+
+
 def mint(key: Ed25519PrivateKey, role: str, method: str, audience: str, job_id: str,
          request_bytes: bytes, now: float | None = None, lifetime_s: int = LIFETIME_S) -> str:
     """A capability for one call of `method` at `audience` with this request."""
@@ -141,21 +165,14 @@ def mint(key: Ed25519PrivateKey, role: str, method: str, audience: str, job_id: 
     payload = {"r": role, "m": method, "aud": normal_address(audience), "job": job_id,
                "h": body_digest(request_bytes), "iat": issued, "exp": issued + lifetime_s,
                "n": _b64(secrets.token_bytes(16))}
-    head = f"{VERSION}.{_b64(json.dumps(payload, separators=(',', ':')).encode())}"
-    return f"{head}.{_b64(key.sign(head.encode()))}"
+    return _seal(key, VERSION, payload)
 
 
 def read(token: str, trusted: dict[str, Ed25519PublicKey]) -> Claims:
     """The claims of a capability signed by a trusted role's key; CapabilityError
     if it is malformed or its signature is not one of theirs."""
-    if not token or len(token) > MAX_TOKEN_CHARS:
-        raise CapabilityError("no capability, or one too long")
-    parts = token.split(".")
-    if len(parts) != 3 or parts[0] != VERSION:
-        raise CapabilityError(f"not a {VERSION} capability")
+    raw, signature, signed = _open(token, VERSION, "capability")
     try:
-        raw = json.loads(_unb64(parts[1]))
-        signature = _unb64(parts[2])
         claims = Claims(role=str(raw["r"]), method=str(raw["m"]), audience=str(raw["aud"]),
                         job_id=str(raw["job"]), body=str(raw["h"]), issued_at=int(raw["iat"]),
                         expires_at=int(raw["exp"]), nonce=str(raw["n"]))
@@ -165,7 +182,7 @@ def read(token: str, trusted: dict[str, Ed25519PublicKey]) -> Claims:
     if key is None:
         raise CapabilityError(f"no key of role {claims.role!r} is trusted here")
     try:
-        key.verify(signature, f"{parts[0]}.{parts[1]}".encode())
+        key.verify(signature, signed)
     except InvalidSignature:
         raise CapabilityError(f"signature is not role {claims.role!r}'s") from None
     return claims
@@ -238,25 +255,18 @@ def issue_pass(key: Ed25519PrivateKey, job_id: str, role: str, now: float | None
         raise ValueError(f"a job pass is for one of {PASS_ROLES}, not {role!r}")
     issued = int(now if now is not None else time.time())
     payload = {"job": job_id, "r": role, "exp": issued + lifetime_s}
-    head = f"{PASS_VERSION}.{_b64(json.dumps(payload, separators=(',', ':')).encode())}"
-    return f"{head}.{_b64(key.sign(head.encode()))}"
+    return _seal(key, PASS_VERSION, payload)
 
 
 def read_pass(token: str, scheduler_key: Ed25519PublicKey, now: float | None = None) -> JobPass:
     """The pass's job and role; CapabilityError if it is not the scheduler's, or expired."""
-    if not token or len(token) > MAX_TOKEN_CHARS:
-        raise CapabilityError("no job pass, or one too long")
-    parts = token.split(".")
-    if len(parts) != 3 or parts[0] != PASS_VERSION:
-        raise CapabilityError(f"not a {PASS_VERSION} job pass")
+    raw, signature, signed = _open(token, PASS_VERSION, "job pass")
     try:
-        raw = json.loads(_unb64(parts[1]))
         issued = JobPass(job_id=str(raw["job"]), role=str(raw["r"]), expires_at=int(raw["exp"]))
-        signature = _unb64(parts[2])
     except (ValueError, KeyError, TypeError) as err:
         raise CapabilityError(f"malformed job pass ({type(err).__name__})") from None
     try:
-        scheduler_key.verify(signature, f"{parts[0]}.{parts[1]}".encode())
+        scheduler_key.verify(signature, signed)
     except InvalidSignature:
         raise CapabilityError("job pass not signed by the scheduler") from None
     if (now if now is not None else time.time()) > issued.expires_at + CLOCK_SKEW_S:

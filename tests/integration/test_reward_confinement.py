@@ -258,6 +258,39 @@ def test_a_reward_finds_no_credential_of_the_worker(probe_path, tmp_path):
         assert len(seen["others"]) <= 2
 
 
+CLOSE_SCRIPT = """
+    import asyncio
+    from reflow.tasks import Prompt, TaskContext
+    from reflow.tasks.rewards import RewardPool
+
+    pool = RewardPool("confinement_probe", {}, TaskContext(), num_workers=1, timeout_s=30)
+    held = pool._idle.get()  # the only process is busy: the next call waits for it
+
+    async def main():
+        waiting = asyncio.ensure_future(asyncio.to_thread(pool.score, Prompt("p0", "x", "ok"), "ok"))
+        await asyncio.sleep(0.5)
+        pool.close()
+        held.close()
+        try:
+            await waiting
+        except RuntimeError as err:
+            print("refused:", err)
+
+    asyncio.run(main())
+"""
+
+
+def test_a_call_waiting_for_a_process_when_the_pool_closes_lets_the_worker_exit(probe_path):
+    # A rollout worker scores on asyncio.to_thread threads, which the interpreter
+    # joins at exit: a call left waiting for an idle process held every worker's
+    # shutdown until it was killed. The 120 s is a hang guard, not a speed bound.
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CLOSE_SCRIPT)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": probe_path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: the reward pool is closed" in proc.stdout
+
+
 def test_the_environment_is_an_allow_list(tmp_path):
     env = environment(tmp_path, {"PATH": "/bin", "LC_ALL": "C", "REFLOW_DATASETS_DIR": "/d",
                                  "REFLOW_RUNS_DIR": "/r", "PYTHONPATH": "/p", **SECRETS,

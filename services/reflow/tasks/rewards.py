@@ -67,6 +67,8 @@ MAX_LINE_BYTES = 4096
 MAX_STDERR_BYTES = 8192
 # How long a process that closed its pipe, or was told to stop, gets to exit.
 EXIT_WAIT_S = 1.0
+# How often a call waiting for an idle process looks whether the pool closed.
+CLOSE_POLL_S = 0.2
 CHILD_MODULE = "reflow.tasks.reward_child"
 # Signals that mean a limit stopped the process: the hard CPU limit (SIGKILL,
 # also the kernel's OOM killer), the soft one unhandled, the file size limit.
@@ -414,10 +416,23 @@ class RewardPool:
                            "%s (%s); the job goes on", isolated, confinement["process_limit"],
                            confinement["note"] or "the kernel refused")
 
+    def _take(self) -> _Process:
+        """An idle process. A call waiting here when the pool closes raises
+        instead of waiting for ever: its thread is one the interpreter joins at
+        exit (asyncio.to_thread), so a stuck wait would hold the worker's
+        shutdown until it is killed."""
+        while not self._closed:
+            try:
+                process = self._idle.get(timeout=CLOSE_POLL_S)
+            except queue.Empty:
+                continue
+            if not self._closed:
+                return process
+            self._idle.put(process)
+        raise RuntimeError("the reward pool is closed")
+
     def score(self, prompt: Prompt, response_text: str) -> RewardResult:
-        if self._closed:
-            raise RuntimeError("the reward pool is closed")
-        process = self._idle.get()
+        process = self._take()
         try:
             if process.wait_ready():
                 self._ready(process.confinement)

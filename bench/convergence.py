@@ -104,12 +104,11 @@ import numpy as np
 import yaml
 
 import convergence_stats as cs
+from convergence_report import AXES, json_safe, plot, print_table
 from reflow.benchmarks.modes import TRL_SCRIPT, trl_python
 from reflow.report import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-AXES = {"trained_samples": "trained samples", "first_use_samples": "first-use samples",
-        "first_use_tokens": "first-use tokens", "wall_time_s": "wall time (s)"}
 
 
 @dataclass
@@ -443,113 +442,6 @@ def analyse(plan: Plan, runs: dict[str, list[Run]], settings: dict) -> dict:
     return result
 
 
-# --- output -------------------------------------------------------------------
-
-
-def _json_safe(value):
-    """inf and NaN (a seed that never reached the target, an interval of one seed) as
-    null: JSON has neither."""
-    if isinstance(value, float):
-        return value if np.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _cell(stat: dict | None, fmt: str = ".3f", keys=("mean", "low", "high")) -> str:
-    if not stat:
-        return "–"
-    mid, lo, hi = (stat[k] for k in keys)
-    if not np.isfinite(lo):
-        return f"{mid:{fmt}}" if np.isfinite(mid) else "not reached"
-    bound = lambda v: f"{v:{fmt}}" if np.isfinite(v) else "∞"  # noqa: E731
-    return f"{bound(mid)} [{bound(lo)}, {bound(hi)}]"
-
-
-def print_table(plan: Plan, result: dict, missing: dict[str, list[int]]) -> None:
-    boot = ("estimate", "low", "high")
-    span = result["equal_first_use_range"]
-    where = f"{span[0]:.0f}-{span[1]:.0f} first-use samples" if span else "no common range"
-    print(f"\nReward at equal first-use samples ({where}); Δ: paired difference to "
-          f"{plan.reference}, bootstrap 95 % over paired seeds; others: mean [95 % t-interval] "
-          f"over seeds; time to {plan.target_reward}: median [bootstrap 95 %].\n")
-    print("| entry | seeds | run (s), mean [min, max] | reward, final window | Δ final | reward, mean over range "
-          "| Δ mean | t to target (s) | reached | held-out, last version | Δ held-out last |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for entry in plan.entries:
-        summary = result["entries"].get(entry.name)
-        if summary is None:
-            print(f"| {entry.name} | 0 | | | | | | | | | |")
-            continue
-        equal = summary.get("at_equal_first_use", {})
-        diff = result["paired_vs_reference"].get(entry.name, {})
-        held = summary["held_out"]
-        held_last = ({"mean": held["mean"][-1], "low": held["low"][-1], "high": held["high"][-1]}
-                     if held else None)
-        ttt = summary["time_to_target_s"]
-        elapsed = summary["run_elapsed_s"]
-        print(f"| {entry.name} | {summary['num_seeds']} | {_cell(elapsed, '.0f', ('mean', 'min', 'max'))} "
-              f"| {_cell(equal.get('final_reward'))} | {_cell(diff.get('final_reward'), '+.3f', boot)} "
-              f"| {_cell(equal.get('auc_reward'))} | {_cell(diff.get('auc_reward'), '+.3f', boot)} "
-              f"| {_cell(ttt, '.0f', boot)} | {ttt['reached']}/{summary['num_seeds']} "
-              f"| {_cell(held_last)} | {_cell(diff.get('held_out_last'), '+.3f', boot)} |")
-    print("\nOff-policy figures per step, mean over seeds [min, max] (max_staleness: the "
-          "largest over every step and seed)\n")
-    print("| entry | replay | clip | mismatch KL | ESS | stale clip | stale KL | replayed clip "
-          "| replayed KL | entropy | max lag |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    spread = ("mean", "min", "max")
-    for entry in plan.entries:
-        off = result["entries"].get(entry.name, {}).get("offpolicy", {})
-        cells = [_cell(off.get(n), ".4f" if "kl" in n else ".3f", spread) for n in
-                 ("replay_fraction", "clip_fraction", "mismatch_kl", "importance_ess",
-                  "stale_clip_fraction", "stale_mismatch_kl", "replayed_clip_fraction",
-                  "replayed_mismatch_kl", "entropy")]
-        lag = off.get("max_staleness")
-        print(f"| {entry.name} | " + " | ".join(cells) + f" | {lag['max']:.0f} |" if lag else
-              f"| {entry.name} | " + " | ".join(cells) + " | – |")
-    for name, seeds in missing.items():
-        print(f"\n{name}: seeds {seeds} not finished (left out)")
-    for name, summary in result["entries"].items():
-        for axis in (a for a, c in summary["curves"].items() if c is None):
-            print(f"\n{name}: no {AXES[axis]} range that every seed covers: no curve")
-
-
-def plot(plan: Plan, result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    entries = result["entries"]
-    axes = [a for a in AXES if any(e["curves"].get(a) for e in entries.values())]
-    panels = axes + (["held_out"] if any(e["held_out"] for e in entries.values()) else [])
-    fig, grid = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(grid[0], panels):
-        for i, (name, summary) in enumerate(entries.items()):
-            band = summary["held_out"] if panel == "held_out" else summary["curves"].get(panel)
-            if not band:
-                continue
-            x = band["versions"] if panel == "held_out" else band["grid"]
-            color = f"C{i}"
-            ax.plot(x, band["mean"], color=color, label=f"{name} ({summary['num_seeds']})",
-                    marker="o" if panel == "held_out" else None)
-            if summary["num_seeds"] > 1:
-                ax.fill_between(x, band["low"], band["high"], color=color, alpha=0.2)
-        ax.set_xlabel("policy version" if panel == "held_out" else AXES[panel])
-        ax.set_ylabel("held-out reward" if panel == "held_out" else "reward (smoothed)")
-        if panel == "wall_time_s":
-            ax.axhline(plan.target_reward, color="grey", linestyle=":", linewidth=1)
-        ax.grid(alpha=0.3)
-    grid[0][0].legend(title="entry (seeds)")
-    fig.suptitle("mean over seeds, shaded: 95 % t-interval")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="results directory: DIR/<entry>/seed<k>/")
@@ -589,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, missing = load_runs(plan, steps, out, args.smooth_steps)
     result = {"plan": asdict(plan), "settings": settings, "missing_runs": missing,
               **analyse(plan, runs, settings)}
-    (out / "convergence.json").write_text(json.dumps(_json_safe(result), indent=2))
+    (out / "convergence.json").write_text(json.dumps(json_safe(result), indent=2))
     print_table(plan, result, missing)
     if result["entries"]:
         plot(plan, result, out / "convergence.png")

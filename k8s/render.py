@@ -4,8 +4,9 @@
     python k8s/render.py --check    # exit 1 when k8s/reflow.yaml is stale
 
 Rendered with k8s/values.yaml: release "reflow" in namespace "reflow", and
-existing Secrets for the API token, the Redis password and the gRPC secrets, so no secret
-value is ever written into the manifests (k8s/README.md creates them).
+existing Secrets for the API token, the Redis passwords, the gRPC secrets and each role's
+TLS certificate, so no secret value is ever written into the manifests (k8s/README.md
+creates them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ RELEASE, NAMESPACE = "reflow", "reflow"
 HEADER = """\
 # ReFlow plain Kubernetes manifests, rendered from charts/reflow with
 # k8s/values.yaml by `python k8s/render.py`. Do not edit by hand.
-# Apply: see k8s/README.md (create the namespace and three Secrets first).
+# Apply: see k8s/README.md (create the namespace and the Secrets first).
 """
 
 

@@ -20,8 +20,9 @@ audience, is spent, and expires within minutes.
 Why signatures and not per-role mutual TLS: the proof must survive the paths a
 call takes (pods dialled by IP, a Service name in front of replicas), must bind
 the method and the request, and must not depend on TLS being on; a certificate
-proves who opened the connection, not what it may ask. TLS, where on, still
-protects the channel under both.
+proves who opened the connection, not what it may ask. Mutual TLS with a
+certificate per role (reflow.tlscerts, on by default) still runs under both: it
+keeps the channel private and proves which role answers.
 
 Keys are PEM: a PKCS#8 private key, and a SubjectPublicKeyInfo public key or an
 X.509 certificate holding it (what Helm's genSelfSignedCertWithKey writes). No

@@ -1,7 +1,7 @@
 """The `reflow` command line.
 
     reflow run CONFIG [--out DIR] [--dry-run] [--redis-appendfsync everysec|always]
-               [section.field=value ...]
+               [--insecure-plaintext] [section.field=value ...]
     reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P] [--insecure-no-auth]
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     from reflow.launcher import run_local
 
-    return run_local(spec, args.out, appendfsync=appendfsync)
+    return run_local(spec, args.out, appendfsync=appendfsync, plaintext=args.insecure_plaintext)
 
 
 def _appendfsync(args: argparse.Namespace) -> str | None:
@@ -108,7 +108,8 @@ def _resume_run(args: argparse.Namespace) -> int:
     from reflow.launcher import run_local
 
     print(f"resuming job {job_id} from {info.path.name} (step {info.step})", flush=True)
-    return run_local(spec, str(run_dir), resume_job_id=job_id, appendfsync=appendfsync)
+    return run_local(spec, str(run_dir), resume_job_id=job_id, appendfsync=appendfsync,
+                     plaintext=args.insecure_plaintext)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -237,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--redis-appendfsync", default="everysec", metavar="everysec|always",
                      help="when the run's Redis fsyncs its append-only file: everysec (default; "
                      "a crash loses up to ~1 s of writes) or always (loses none; puts are slower)")
+    run.add_argument("--insecure-plaintext", action="store_true",
+                     help="gRPC between the run's services without TLS (as REFLOW_TLS=off): "
+                     "for debugging only; by default each service has its own certificate "
+                     "from a CA made for the run")
     run.set_defaults(fn=cmd_run)
 
     serve = sub.add_parser("serve", help="run one service (what a container runs)")

@@ -1,11 +1,16 @@
 """`reflow run`: a whole job on this machine, every service its own process.
 
-Starts an embedded Redis (append-only, in the run directory), the scheduler
+Starts an embedded Redis (append-only, in the run directory, one user per role
+with passwords drawn afresh at each start: reflow/redis_acl.py), the scheduler
 and the API (with a random bearer token for this run, in `<run_dir>/api-token`,
 mode 0600); submits the job to the scheduler, which places the replay
 buffer, rollout worker and trainer with its local backend; shows progress
 from the API; and writes summary.json and report.png at the end. Ctrl-C stops
 the job and ends every process it started, vLLM's engine included.
+
+The services speak mutual TLS, each with its role's certificate from a CA made
+for this launch (`<run_dir>/tls`, reflow.tlscerts); `--insecure-plaintext` (or
+REFLOW_TLS=off) turns TLS off for debugging, and says so.
 """
 
 from __future__ import annotations
@@ -68,9 +73,9 @@ def _start(service: str, port: int, run_dir: Path, env: dict[str, str]):
     from reflow import rpcauth
 
     args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
-    # Each gets the public keys, and only its own role's signing key.
+    # Each gets the public keys, and only its own role's signing key and TLS key.
     return procs.spawn(args, str(run_dir / "logs" / f"{service}.log"),
-                       env={**env, **rpcauth.role_env(service)})
+                       env={**env, **rpcauth.role_env(service), **rpcauth.tls_env(service)})
 
 
 # How long the scheduler gets to stop a job in order (a checkpoint included).
@@ -78,14 +83,15 @@ STOP_GRACE_S = 120.0
 
 
 def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
-              appendfsync: str = "everysec") -> int:
+              appendfsync: str = "everysec", plaintext: bool = False) -> int:
     """Run `spec` as a whole local stack; with `resume_job_id`, continue that job of
     the run in `out` (its Redis, in `<out>/redis`, still holds the job, its buffer
     and its dispatch ledger) from its newest checkpoint. `appendfsync`: when that
-    Redis fsyncs its append-only file (replay.embedded.APPENDFSYNC)."""
+    Redis fsyncs its append-only file (replay.embedded.APPENDFSYNC). `plaintext`:
+    gRPC without TLS (--insecure-plaintext)."""
     import httpx
 
-    from reflow import procs, rpc, rpcauth
+    from reflow import procs, redis_acl, rpc, rpcauth
     from reflow.replay.embedded import EmbeddedRedis
     from reflow.report import plot, read_metrics, summarize
     from reflow.scheduler.client import GrpcSchedulerClient
@@ -113,22 +119,33 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         # This run's gRPC credential and signing keys (rpcauth); each service it
         # starts gets its share (`_start`).
         rpcauth.ensure_local_credentials()
-        redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync).start()
+        # And its TLS: a new CA and per-role certificates at every start, a resume's
+        # too; this process calls the scheduler as the API does, with the API's.
+        from reflow.tlscerts import setup_local_run
+
+        warning = setup_local_run(run_dir / "tls", plaintext=plaintext)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        # New passwords at every start, a resume's too: only their hashes reach the
+        # disk (the ACL file beside the data), and each service gets its own user's URL.
+        redis = EmbeddedRedis(run_dir / "redis", appendfsync=appendfsync,
+                              passwords=redis_acl.Passwords.mint()).start()
         # A Redis that dies mid-run comes back on its port from its append-only file.
         redis.supervise()
         # The roots this run's services accept paths under: the run directory's
         # parent, and the models root (by default the directory holding the spec's
         # model: `reflow run` trusts its own command line, not the network).
         models_root = os.environ.get(MODELS_ROOT_ENV) or str(Path(spec.model.path).parent)
-        env = {"REDIS_URL": redis.url, RUNS_ROOT_ENV: str(run_dir.parent),
-               MODELS_ROOT_ENV: models_root}
+        env = {RUNS_ROOT_ENV: str(run_dir.parent), MODELS_ROOT_ENV: models_root}
+        redis_urls = {user: redis.url_for(user) for user in redis_acl.USER_NAMES}
         sched_port, api_port, sched_metrics, api_metrics = procs.free_ports(4)
         record_endpoints(run_dir, {
             "scheduler": {"grpc": f"127.0.0.1:{sched_port}", "metrics": f"127.0.0.1:{sched_metrics}"},
             "api": {"http": f"127.0.0.1:{api_port}", "metrics": f"127.0.0.1:{api_metrics}"},
         })
         started.append(_start("scheduler", sched_port, run_dir,
-                              {**env, "REFLOW_METRICS_PORT": str(sched_metrics)}))
+                              {**env, "REFLOW_METRICS_PORT": str(sched_metrics),
+                               **redis_acl.env_for("scheduler", redis_urls)}))
         env["REFLOW_SCHEDULER_ADDRESS"] = f"127.0.0.1:{sched_port}"
         # Auth is on here too: a random token for this run, readable by its owner only.
         token = secrets.token_urlsafe(32)
@@ -137,8 +154,9 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         token_file.write_text(token + "\n")
         started.append(_start("api", api_port, run_dir,
                               {**env, "REFLOW_METRICS_PORT": str(api_metrics),
-                               "REFLOW_API_TOKEN_FILE": str(token_file)}))
-        rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
+                               "REFLOW_API_TOKEN_FILE": str(token_file),
+                               **redis_acl.env_for("api", redis_urls)}))
+        rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, role="scheduler")
         api = f"http://127.0.0.1:{api_port}"
         wait_http(f"{api}/healthz", 60)
         headers = {"Authorization": f"Bearer {token}"}

@@ -291,6 +291,10 @@ def make_server(
             else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"{'+'.join(names)}: cannot bind {address}")
+    if tls is None:
+        logger.warning("%s: gRPC WITHOUT TLS on port %d (%s): calls and the credential cross "
+                       "the network in the clear, and any process can answer as this service",
+                       "+".join(names), port, rpcauth.TlsSettings.from_env().plaintext_reason)
     # The address the capabilities of its control calls must name (rpcauth).
     authorizer.bind(address, port)
     server.start()
@@ -299,7 +303,9 @@ def make_server(
         server.health_server = _serve_health(health_servicer, os.environ[HEALTH_PORT_ENV])
     for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s serving gRPC on port %d", "+".join(names), port)
+    logger.info("%s serving gRPC on port %d (%s)", "+".join(names), port,
+                "plaintext" if tls is None else
+                "mutual TLS" if tls.ca is not None else "TLS, no client certificates")
     return server, port
 
 
@@ -315,15 +321,17 @@ def _serve_health(health_servicer, port: str) -> grpc.Server:
     return server
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(address: str, role: str | None = None) -> grpc.Channel:
     """Every client's channel: message limits, the retry policy, fast reconnects,
-    this process's credentials on every call (`rpcauth`), TLS where configured."""
+    this process's credentials on every call (`rpcauth`), TLS where configured.
+    `role`: the service role it means to reach (reflow.tlscerts.ROLES); under TLS
+    the callee's certificate must name it, or the handshake fails."""
     tls = rpcauth.TlsFiles.from_env()
     if tls is None:
         raw = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     else:
         raw = grpc.secure_channel(address, tls.channel_credentials(), options=[
-            *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.server_name)])
+            *CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", tls.target_name(role))])
     return rpcauth.authenticated(raw, address)
 
 
@@ -345,13 +353,15 @@ def transient_as_unavailable(what: str, also: tuple = ()) -> Iterator[None]:
         raise Unavailable(f"{what}: {err.code().name}: {err.details()}") from err
 
 
-def wait_healthy(address: str, timeout_s: float, service: str = "") -> None:
-    """Block until the server at `address` reports SERVING, or raise TimeoutError."""
+def wait_healthy(address: str, timeout_s: float, service: str = "",
+                 role: str | None = None) -> None:
+    """Block until the server at `address` reports SERVING, or raise TimeoutError.
+    `role`: the server's role, which its certificate must name under TLS."""
     import time
 
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
-    with channel(address) as ch:
+    with channel(address, role) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:

@@ -30,11 +30,15 @@ from then on the job's passes get NOT_FOUND, as for a job the server never ran.
 Secrets are compared in constant time, as digests. Health checks
 (grpc.health.v1) need nothing: a kubelet probe holds no credential.
 
-TLS: with REFLOW_TLS_CERT_FILE and REFLOW_TLS_KEY_FILE set, servers listen with
-TLS and clients verify against REFLOW_TLS_CA_FILE; with a CA set, servers also
-require a client certificate from it (mutual TLS). Pods are dialled by IP, so
-certificates name REFLOW_TLS_SERVER_NAME (default "reflow") and clients check
-that name.
+TLS, under all of it (`TlsFiles` here; the identities and settings in
+reflow.tlscerts): mutual, one certificate per role from the deployment's own
+CA, on by default under `reflow run` and the chart. A server presents its
+role's certificate and requires a client certificate from the CA; a client
+checks that the callee's certificate names the role it means to reach
+(`<role>.reflow.internal`; REFLOW_TLS_SERVER_NAME instead names one shared
+certificate). REFLOW_TLS=off turns it off for debugging, and each server says so
+in its log. TLS proves which role answers and keeps the channel private; what a
+caller may ask is still the capabilities' and passes' to say.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ from reflow.authz import (_CALLEE_ROLE, CONTROL_TABLE, GRANTING, JOB_CALLERS,  #
                           authorization_rows, control_methods, job_callers)
 from reflow.core.errors import Unavailable
 from reflow.core.grants import JOB_TOKENS, RedisGrants, digest
+from reflow.tlscerts import (TLS_CA_ENV, TLS_CERT_ENV, TLS_ENV, TLS_KEY_ENV,  # noqa: F401
+                             TLS_SERVER_NAME_ENV, TlsSettings)
+# The TLS half of a started service's environment: its own certificate and key.
+from reflow.tlscerts import files_env as tls_env  # noqa: F401
 
 CREDENTIAL_ENV = "REFLOW_GRPC_CREDENTIAL"
 # Per signing role: its private key (that role's processes only) and its public
@@ -67,10 +75,6 @@ PUBLIC_KEY_ENVS = {"api": "REFLOW_API_PUBLIC_KEY", "scheduler": "REFLOW_SCHEDULE
 # audiences its capabilities may carry besides its own address.
 ADVERTISE_HOSTS_ENV = "REFLOW_ADVERTISE_HOSTS"
 POD_IP_ENV = "REFLOW_POD_IP"
-TLS_CERT_ENV = "REFLOW_TLS_CERT_FILE"
-TLS_KEY_ENV = "REFLOW_TLS_KEY_FILE"
-TLS_CA_ENV = "REFLOW_TLS_CA_FILE"
-TLS_SERVER_NAME_ENV = "REFLOW_TLS_SERVER_NAME"
 
 CREDENTIAL_KEY = "x-reflow-credential"
 CAPABILITY_KEY = "x-reflow-capability"
@@ -443,22 +447,30 @@ def authenticated(channel: grpc.Channel, address: str | None = None) -> grpc.Cha
 
 @dataclass(frozen=True)
 class TlsFiles:
+    """This process's certificate, key and CA, read once, and the settings that
+    named them."""
+
     cert: bytes
     key: bytes
     ca: bytes | None
-    server_name: str
+    settings: TlsSettings
 
     @classmethod
     def from_env(cls) -> "TlsFiles | None":
-        cert, key = os.environ.get(TLS_CERT_ENV, ""), os.environ.get(TLS_KEY_ENV, "")
-        if not cert and not key:
+        """The files the environment names; None when this process speaks
+        plaintext (`TlsSettings.plaintext_reason` says why)."""
+        settings = TlsSettings.from_env()
+        if not settings.enabled:
             return None
-        if not (cert and key):
-            raise ValueError(f"TLS needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}")
-        ca = os.environ.get(TLS_CA_ENV, "")
-        return cls(Path(cert).read_bytes(), Path(key).read_bytes(),
-                   Path(ca).read_bytes() if ca else None,
-                   os.environ.get(TLS_SERVER_NAME_ENV, "reflow"))
+
+        def read(path: str, env: str) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as err:
+                raise ValueError(f"{env}: cannot read {path}: {err.strerror}") from None
+
+        return cls(read(settings.cert_file, TLS_CERT_ENV), read(settings.key_file, TLS_KEY_ENV),
+                   read(settings.ca_file, TLS_CA_ENV) if settings.ca_file else None, settings)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
@@ -467,3 +479,7 @@ class TlsFiles:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    def target_name(self, role: str | None) -> str:
+        """The name the callee's certificate must carry, dialling a `role` service."""
+        return self.settings.target_name(role)

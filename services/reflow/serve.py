@@ -2,8 +2,10 @@
 and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
 Environment: REFLOW_BACKEND (scheduler: local | kubernetes; see
-scheduler/kube.py for the latter's settings), REDIS_URL (replay, scheduler;
-an embedded Redis starts when it is unset), REFLOW_DATA_DIR (embedded Redis
+scheduler/kube.py for the latter's settings), REDIS_URL (replay, scheduler: each
+its own Redis user's, reflow/redis_acl.py; an embedded Redis starts when it is
+unset), REFLOW_REPLAY_REDIS_URL (scheduler with the local backend: the URL of the
+buffers it starts; its own when unset), REFLOW_DATA_DIR (embedded Redis
 data), REFLOW_RUNS_DIR and REFLOW_MODELS_DIR (scheduler, rollout, trainer, worker:
 the roots every path in a spec or RPC must lie under), REFLOW_MAX_* (scheduler:
 operator ceilings, see core/limits.py), REFLOW_SCHEDULER_ADDRESS,
@@ -13,7 +15,7 @@ API refuses to start unless given --insecure-no-auth), REFLOW_REDIS_APPENDFSYNC
 REFLOW_METRICS_PORT (Prometheus /metrics of every service),
 REFLOW_GRPC_CREDENTIAL(_FILE), the signing key of the scheduler or the API
 (REFLOW_{SCHEDULER,API}_SIGNING_KEY(_FILE)) and the public keys it verifies by
-(REFLOW_{SCHEDULER,API}_PUBLIC_KEY(_FILE)), REFLOW_TLS_* (see reflow.rpcauth).
+(REFLOW_{SCHEDULER,API}_PUBLIC_KEY(_FILE)), REFLOW_TLS and REFLOW_TLS_* (see reflow.tlscerts).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def _check_credentials(name: str) -> None:
 
     try:
         creds = rpcauth.credentials()
+        rpcauth.TlsFiles.from_env()  # its TLS settings and files, read before serving
     except (RuntimeError, ValueError, OSError) as err:
         raise SystemExit(f"reflow serve {name}: {err}") from None
     role = name if name in rpcauth.SIGNING_KEY_ENVS else None
@@ -236,9 +239,10 @@ def _cluster_backend(redis_url: str):
     pods of this release, found and labelled through the Kubernetes API)."""
     backend = os.environ.get("REFLOW_BACKEND", "local")
     if backend == "local":
+        from reflow.redis_acl import REPLAY_URL_ENV
         from reflow.scheduler.local import LocalBackend
 
-        return LocalBackend(redis_url)
+        return LocalBackend(os.environ.get(REPLAY_URL_ENV) or redis_url)
     if backend == "kubernetes":
         from reflow.scheduler.kube import KubernetesBackend
 

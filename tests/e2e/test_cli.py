@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
@@ -34,6 +35,24 @@ def _services_running(proc: psutil.Process) -> dict[str, int]:
         if "serve" in cmd:
             found[cmd[cmd.index("serve") + 1]] = child.pid
     return found
+
+
+def _redis_env(pid: int) -> dict[str, str]:
+    """The Redis URLs a service process was started with ("" for none)."""
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+    return {key: env.get(key, "") for key in ("REDIS_URL", "REFLOW_REPLAY_REDIS_URL")}
+
+
+def _tls_env(pid: int) -> dict[str, str]:
+    """The TLS settings a service process was started with."""
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+    return {k: v for k, v in env.items() if k.startswith("REFLOW_TLS")}
 
 
 def _alive(pid: int) -> bool:
@@ -68,9 +87,15 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     )
     cli = psutil.Process(proc.pid)
     seen: dict[str, int] = {}
+    redis_env: dict[str, dict[str, str]] = {}
+    tls_env: dict[str, dict[str, str]] = {}
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         seen.update(_services_running(cli))
+        for service, pid in seen.items():
+            if service not in redis_env:
+                redis_env[service] = _redis_env(pid)
+                tls_env[service] = _tls_env(pid)
         time.sleep(0.5)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
@@ -78,6 +103,36 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     assert set(seen) == set(SERVICES), seen
     assert len(set(seen.values())) == 5
     assert not [pid for pid in seen.values() if _alive(pid)]
+    # Redis users (reflow/redis_acl.py): the buffer and the scheduler each logged in as
+    # its own, the scheduler holding the buffer's URL to start it with; the API, the
+    # rollout worker and the trainer got no Redis credential.
+    replay_url = redis_env["replay"]["REDIS_URL"]
+    assert replay_url.startswith("redis://replay:"), redis_env
+    assert redis_env["scheduler"] == {"REDIS_URL": redis_env["scheduler"]["REDIS_URL"],
+                                      "REFLOW_REPLAY_REDIS_URL": replay_url}
+    assert redis_env["scheduler"]["REDIS_URL"].startswith("redis://scheduler:")
+    for service in ("api", "rollout", "trainer"):
+        assert redis_env[service] == {"REDIS_URL": "", "REFLOW_REPLAY_REDIS_URL": ""}, service
+    acl = out / "redis" / "users.acl"
+    assert acl.stat().st_mode & 0o777 == 0o600
+    passwords = [urlsplit(redis_env[s]["REDIS_URL"]).password for s in ("replay", "scheduler")]
+    for path in [acl, *(out / "logs").glob("*.log"), *out.glob("*.json*")]:
+        text = path.read_text(errors="replace")
+        assert not [pw for pw in passwords if pw in text], path
+    # Mutual TLS, by default: a CA made for the run (its key never written) and a
+    # certificate per role; each service was given its own key and no other.
+    certs = out / "tls"
+    assert (certs / "ca.crt").is_file() and not list(certs.glob("ca.key"))
+    for service in SERVICES:
+        env = tls_env[service]
+        assert (certs / f"{service}.key").stat().st_mode & 0o777 == 0o600
+        assert env["REFLOW_TLS"] == "on", (service, env)
+        assert [v for v in env.values() if v.endswith(".key")] == [str(certs / f"{service}.key")]
+        # Only the scheduler, which starts the job's services, knows where the rest are.
+        assert env.get("REFLOW_TLS_DIR", "") == (str(certs) if service == "scheduler" else "")
+        if service != "api":  # the API serves REST, and dials the scheduler with its own
+            log = (out / "logs" / f"{service}.log").read_text()
+            assert "(mutual TLS)" in log and "WITHOUT TLS" not in log, service
 
     records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]

@@ -442,6 +442,9 @@ def test_mutual_tls_refuses_plain_and_certificate_less_clients(redis_server, red
     monkeypatch.setenv(rpcauth.TLS_CERT_ENV, str(files["cert"]))
     monkeypatch.setenv(rpcauth.TLS_KEY_ENV, str(files["key"]))
     monkeypatch.setenv(rpcauth.TLS_CA_ENV, str(files["ca"]))
+    # One certificate that every service shares names one name, which every client
+    # checks (per-role certificates: test_tls_roles.py).
+    monkeypatch.setenv(rpcauth.TLS_SERVER_NAME_ENV, "reflow")
     server, port = serve_replay(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     try:

@@ -183,16 +183,18 @@ def test_the_scheduler_role_is_namespaced_and_minimal():
                                     "namespace": "ml"}]
 
 
-def test_redis_keeps_an_append_only_file_and_services_get_its_password_from_a_secret():
+def test_redis_keeps_an_append_only_file_and_services_log_in_as_their_own_users():
     docs, _ = render({})
     redis = by_kind(docs, "StatefulSet")["rl-reflow-redis"]
     command = redis["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--appendonly yes --appendfsync everysec " in command
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
-    replay = by_kind(docs, "Deployment")["rl-reflow-replay"]
-    env = {e["name"]: e for e in replay["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rl-reflow-redis"
-    assert env["REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@rl-reflow-redis:6379/0"
+    for role in ("replay", "scheduler"):
+        pod = by_kind(docs, "Deployment")[f"rl-reflow-{role}"]
+        env = {e["name"]: e for e in pod["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "rl-reflow-redis", "key": f"{role}-password"}
+        assert env["REDIS_URL"]["value"] == f"redis://{role}:$(REDIS_PASSWORD)@rl-reflow-redis:6379/0"
 
     docs, _ = render({"redis": {"enabled": False, "auth": {"existingSecret": "ext", "passwordKey": "pw"},
                                 "external": {"host": "r.example", "port": 6380, "db": 3, "tls": True}}})
@@ -200,10 +202,63 @@ def test_redis_keeps_an_append_only_file_and_services_get_its_password_from_a_se
     assert not [d for d in docs if d["kind"] == "Secret" and "redis" in d["metadata"]["name"]]
     replay = by_kind(docs, "Deployment")["rl-reflow-replay"]
     env = {e["name"]: e for e in replay["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@r.example:6380/3"
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "pw"}
+    assert env["REDIS_URL"]["value"] == "rediss://replay:$(REDIS_PASSWORD)@r.example:6380/3"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext", "key": "replay-password"}
     with pytest.raises(Exception, match="redis.external.host"):
         render({"redis": {"enabled": False}})
+
+
+def _secret_refs(node, found=None) -> set[tuple[str, str]]:
+    """(Secret, key) pairs a pod spec reads: env values, envFrom and volumes ("*" for
+    every key of a Secret)."""
+    found = set() if found is None else found
+    if isinstance(node, dict):
+        if "secretKeyRef" in node:
+            found.add((node["secretKeyRef"]["name"], node["secretKeyRef"]["key"]))
+        if "secretRef" in node:
+            found.add((node["secretRef"]["name"], "*"))
+        secret = node.get("secret")
+        if isinstance(secret, dict) and "secretName" in secret:
+            keys = [item["key"] for item in secret.get("items", [])] or ["*"]
+            found.update((secret["secretName"], key) for key in keys)
+        for value in node.values():
+            _secret_refs(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _secret_refs(value, found)
+    return found
+
+
+def test_each_role_gets_only_its_own_redis_credential():
+    import base64
+
+    from reflow import redis_acl
+
+    docs, _ = render({})
+    secret = by_kind(docs, "Secret")["rl-reflow-redis"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    passwords = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert set(passwords) == {"redis-password", "replay-password", "scheduler-password"}
+    assert len(set(passwords.values())) == 3 and min(map(len, passwords.values())) >= 32
+    # Every Redis user of reflow/redis_acl.py has a key, and Redis alone reads them all
+    # (it builds its ACL file from them); each service reads its own user's only, and
+    # the API and the workers none.
+    expected = {"rl-reflow-redis": set(passwords), "rl-reflow-replay": {"replay-password"},
+                "rl-reflow-scheduler": {"scheduler-password"}}
+    for name, spec in pod_specs(docs):
+        redis_keys = {key for secret_name, key in _secret_refs(spec)
+                      if secret_name == "rl-reflow-redis"}
+        assert redis_keys == expected.get(name, set()), name
+    script = by_kind(docs, "StatefulSet")["rl-reflow-redis"]["spec"]["template"]["spec"][
+        "containers"][0]["args"][0]
+    for u in redis_acl.USERS:
+        assert f'echo "user {u.name} on #$(hash "$REDIS_{u.name.upper()}_PASSWORD") "\'' \
+            f"{redis_acl.rule(u)}'" in script
+    assert f"user {redis_acl.ADMIN_USER} on" in script and "--requirepass" not in script
+    # Upgrades keep the passwords a live Secret already has (helm's lookup), and mint
+    # only those of users it lacks.
+    template = (CHART / "templates" / "secret-redis.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
 
 
 def test_redis_fsyncs_every_write_when_told_and_refuses_other_policies():
@@ -316,7 +371,7 @@ def test_grpc_secrets_reach_each_service_and_each_signing_key_only_its_role():
         assert signing == ({f"REFLOW_{role.upper()}_SIGNING_KEY_FILE"}
                            if role in ("scheduler", "api") else set()), name
         assert env["REFLOW_SCHEDULER_PUBLIC_KEY_FILE"]["value"].endswith("/scheduler-public-key")
-        assert "REFLOW_TLS_CERT_FILE" not in env
+        assert env["REFLOW_TLS"]["value"] == "on"  # per-role certificates: test_chart_tls.py
         seen.add(role)
     assert seen == set(expected)
     # The template keeps the values a live Secret already has (helm's lookup; a plain
@@ -328,7 +383,7 @@ def test_grpc_secrets_reach_each_service_and_each_signing_key_only_its_role():
 def test_an_existing_grpc_secret_is_referenced_never_rendered_and_upgrades_keep_it():
     values = {"grpcAuth": {"existingSecret": "my-grpc-auth"}}
     docs, _ = render(values)
-    assert not [s for s in by_kind(docs, "Secret") if "grpc" in s]
+    assert not [s for s in by_kind(docs, "Secret") if "grpc-auth" in s]
     for name, spec in pod_specs(docs):
         for volume in spec["volumes"]:
             if volume["name"] == "grpc-auth":
@@ -338,23 +393,3 @@ def test_an_existing_grpc_secret_is_referenced_never_rendered_and_upgrades_keep_
     again, _ = render(values)
     kept = lambda rendered: yaml.safe_dump_all([d for d in rendered if d["kind"] != "Secret"])  # noqa: E731
     assert kept(again) == kept(docs)
-
-
-def test_mutual_tls_mounts_the_certificate_and_probes_a_plaintext_health_port():
-    docs, _ = render(yaml.safe_load((CHART / "ci" / "mtls-values.yaml").read_text()))
-    certificate = next(d for d in docs if d["kind"] == "Certificate")
-    assert certificate["spec"]["secretName"] == "rl-reflow-grpc-tls"
-    assert certificate["spec"]["issuerRef"] == {"name": "cluster-ca", "kind": "ClusterIssuer"}
-    assert set(certificate["spec"]["usages"]) == {"server auth", "client auth"}
-    for name, spec in pod_specs(docs):
-        if name.endswith("-redis"):
-            continue
-        env = _env(spec["containers"][0])
-        assert env["REFLOW_TLS_CA_FILE"]["value"] == "/var/run/secrets/reflow/tls/ca.crt"
-        assert env["REFLOW_TLS_SERVER_NAME"]["value"] == "reflow"
-        tls = next(v for v in spec["volumes"] if v["name"] == "grpc-tls")
-        assert tls["secret"]["secretName"] == "rl-reflow-grpc-tls"
-        probe = spec["containers"][0].get("readinessProbe", {})
-        if "grpc" in probe:
-            assert probe["grpc"]["port"] == 50070
-            assert env["REFLOW_GRPC_HEALTH_PORT"]["value"] == "50070"

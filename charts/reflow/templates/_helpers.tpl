@@ -80,21 +80,33 @@ tolerations:
 {{- default (printf "%s-redis" (include "reflow.fullname" .)) .Values.redis.auth.existingSecret -}}
 {{- end -}}
 
+{{- define "reflow.redisUserPasswordKey" -}}
+{{- printf "%s-password" . -}}
+{{- end -}}
+
+{{/* One Redis user's URL and password (dict "root" $ "user" "replay"|"scheduler", the
+users of _redis_acl.tpl): the Secret's key of that user alone. */}}
 {{- define "reflow.redisEnv" -}}
+{{- $root := .root }}
+{{- if not (hasKey (include "reflow.redisAclRules" $root | fromYaml) .user) }}
+{{- fail (printf "reflow.redisEnv: %q is not a Redis user of _redis_acl.tpl" .user) }}
+{{- end }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "reflow.redisSecretName" . }}
-      key: {{ .Values.redis.auth.passwordKey }}
-{{- if .Values.redis.enabled }}
+      name: {{ include "reflow.redisSecretName" $root }}
+      key: {{ include "reflow.redisUserPasswordKey" .user }}
+{{- if $root.Values.redis.enabled }}
 - name: REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "reflow.fullname" .) | quote }}
+  value: {{ printf "redis://%s:$(REDIS_PASSWORD)@%s-redis:6379/0" .user (include "reflow.fullname" $root) | quote }}
 {{- else }}
-{{- if not .Values.redis.external.host }}
+{{- with $root.Values.redis.external }}
+{{- if not .host }}
 {{- fail "redis.external.host is required when redis.enabled is false" }}
 {{- end }}
 - name: REDIS_URL
-  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s:%d/%d" (ternary "rediss" "redis" .Values.redis.external.tls) .Values.redis.external.host (int .Values.redis.external.port) (int .Values.redis.external.db) | quote }}
+  value: {{ printf "%s://%s:$(REDIS_PASSWORD)@%s:%d/%d" (ternary "rediss" "redis" .tls) $.user .host (int .port) (int .db) | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -113,8 +125,31 @@ tolerations:
 {{- default (printf "%s-grpc-auth" (include "reflow.fullname" .)) .Values.grpcAuth.existingSecret -}}
 {{- end -}}
 
+{{/* TLS identities (reflow.tlscerts): a certificate per role, naming the role as
+`<role>.reflow.internal`; an AsyncHybrid worker serves the Rollout and Trainer services
+too, so its certificate names those roles as well. Role -> its certificate's names. */}}
+{{- define "reflow.tlsRoles" -}}
+api: [api.reflow.internal]
+scheduler: [scheduler.reflow.internal]
+replay: [replay.reflow.internal]
+worker: [worker.reflow.internal, rollout.reflow.internal, trainer.reflow.internal]
+{{- end -}}
+
+{{/* Each role's certificate is the Secret `<prefix>-<role>`. */}}
+{{- define "reflow.tlsSecretPrefix" -}}
+{{- default (printf "%s-grpc-tls" (include "reflow.fullname" .)) .Values.tls.existingSecretPrefix -}}
+{{- end -}}
+
+{{/* The Secret a service's pods mount its certificate from: (dict "root" $ "service" NAME). */}}
 {{- define "reflow.tlsSecretName" -}}
-{{- default (printf "%s-grpc-tls" (include "reflow.fullname" .)) .Values.tls.secretName -}}
+{{- if not (hasKey (include "reflow.tlsRoles" .root | fromYaml) .service) }}
+{{- fail (printf "reflow.tlsSecretName: %q is not a role of reflow.tlsRoles" .service) }}
+{{- end }}
+{{- if .root.Values.tls.secretName -}}
+{{- .root.Values.tls.secretName -}}
+{{- else -}}
+{{- printf "%s-%s" (include "reflow.tlsSecretPrefix" .root) .service -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Env of a service: (dict "root" $ "role" "scheduler"|"api"|"") - the scheduler and the
@@ -134,16 +169,23 @@ scheduler's calls with its public key, and the scheduler the API's. */}}
   value: /var/run/secrets/reflow/grpc/api-public-key
 {{- end }}
 {{- if .root.Values.tls.enabled }}
+- name: REFLOW_TLS
+  value: "on"
 - name: REFLOW_TLS_CERT_FILE
   value: /var/run/secrets/reflow/tls/tls.crt
 - name: REFLOW_TLS_KEY_FILE
   value: /var/run/secrets/reflow/tls/tls.key
 - name: REFLOW_TLS_CA_FILE
   value: /var/run/secrets/reflow/tls/ca.crt
+{{- if .root.Values.tls.secretName }}
 - name: REFLOW_TLS_SERVER_NAME
   value: {{ .root.Values.tls.serverName | quote }}
+{{- end }}
 - name: REFLOW_GRPC_HEALTH_PORT
   value: {{ include "reflow.grpcHealthPort" .root | quote }}
+{{- else }}
+- name: REFLOW_TLS
+  value: "off"
 {{- end }}
 {{- end -}}
 
@@ -154,7 +196,9 @@ scheduler's calls with its public key, and the scheduler the API's. */}}
 {{- end }}
 {{- end -}}
 
-{{/* Each signing role mounts its own private key only; every pod the public keys. */}}
+{{/* Each signing role mounts its own private key only; every pod the public keys; and
+each service its own TLS certificate and key: (dict "root" $ "role" "scheduler"|"api"|""
+"service" NAME), the service defaulting to the role. */}}
 {{- define "reflow.grpcVolumes" -}}
 - name: grpc-auth
   secret:
@@ -171,7 +215,7 @@ scheduler's calls with its public key, and the scheduler the API's. */}}
 {{- if .root.Values.tls.enabled }}
 - name: grpc-tls
   secret:
-    secretName: {{ include "reflow.tlsSecretName" .root }}
+    secretName: {{ include "reflow.tlsSecretName" (dict "root" .root "service" (.service | default .role)) }}
     items:
       - {key: tls.crt, path: tls.crt}
       - {key: tls.key, path: tls.key}

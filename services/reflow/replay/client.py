@@ -110,7 +110,7 @@ class GrpcReplayClient(ReplayClient):
         self.address = address
         self.deadline_s = deadline_s
         self.retry_s = retry_s
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, "replay")
         self._stub = replay_pb2_grpc.ReplayBufferStub(self._channel)
         self._closed = threading.Event()
 

@@ -2,6 +2,9 @@
 package ships, started on a loopback TCP port with append-only persistence,
 so that local runs have the same durability story as a cluster. How often the
 append-only file is fsynced is the one choice left to the user (APPENDFSYNC).
+Given `passwords`, it starts with the users of reflow/redis_acl.py from an ACL
+file in its data directory (owner-only, passwords as hashes), and its default
+user asks for the administrator's password.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from reflow import redis_acl
 from reflow.procs import free_port
 
 logger = logging.getLogger(__name__)
@@ -54,11 +58,14 @@ def redis_server_binary() -> str:
 
 
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1; stop() ends it."""
+    """A redis-server child process on 127.0.0.1; stop() ends it. With `passwords`,
+    only the ACL users log in (`url_for`); without, anyone on loopback may (`url`)."""
 
     def __init__(self, data_dir: str | os.PathLike[str], port: int | None = None,
-                 appendonly: bool = True, appendfsync: str = "everysec") -> None:
+                 appendonly: bool = True, appendfsync: str = "everysec",
+                 passwords: redis_acl.Passwords | None = None) -> None:
         self.appendfsync = check_appendfsync(appendfsync)
+        self.passwords = passwords
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -70,6 +77,15 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def url_for(self, user: str) -> str:
+        """The URL that logs in as `user` (a redis_acl user, or the administrator)."""
+        if self.passwords is None:
+            raise ValueError(f"redis user {user!r}: this server was started without users")
+        if user == redis_acl.ADMIN_USER:
+            return redis_acl.user_url(self.url, user, self.passwords.admin)
+        return redis_acl.user_url(self.url, redis_acl.user(user).name,
+                                  self.passwords.users[user])
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         args = [
@@ -83,11 +99,16 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--loglevel", "warning",
         ]
+        if self.passwords is not None:
+            # Written at every start: a resumed run brings passwords of its own.
+            acl = redis_acl.write_acl_file(self.data_dir / "users.acl", self.passwords)
+            args += ["--aclfile", str(acl)]
         log = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(  # nosec B603 # redis-server, fixed flags, no shell
             args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5,
+                             password=self.passwords.admin if self.passwords else None)
         while True:
             try:
                 client.ping()

@@ -37,7 +37,7 @@ class GrpcRolloutClient:
 
         self.address = address
         self.deadline_s = deadline_s
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, "rollout")
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
 
     def start_job(self, job_id: str, spec_json: str, replay_address: str, weight_sync_rank: int,

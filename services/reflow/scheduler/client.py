@@ -54,7 +54,7 @@ class GrpcSchedulerClient:
 
         self.address = address
         self.deadline_s = deadline_s
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, "scheduler")
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     @_translate

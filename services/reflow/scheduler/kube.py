@@ -196,7 +196,7 @@ class KubernetesBackend:
                              "trying again") from None
         try:
             for address in [placement.trainer_address, *placement.rollout_addresses]:
-                rpc.wait_healthy(address, s.health_timeout_s)
+                rpc.wait_healthy(address, s.health_timeout_s, role="worker")
         except Exception:
             self.release(placement)
             raise

@@ -56,7 +56,7 @@ def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
                     f"pod {name} came back at {address}, not at {claim.address} where job "
                     f"{placement.job_id} knew it")
             if _reclaim(backend, placement, name, claim, pod, address):
-                rpc.wait_healthy(address, s.health_timeout_s)
+                rpc.wait_healthy(address, s.health_timeout_s, role="worker")
                 logger.info("job %s: pod %s is back (%s, %s)", placement.job_id, name,
                             claim.role, address)
                 return

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import subprocess  # nosec B404 # only the Popen type; procs.spawn starts the processes
 
-from reflow import procs, rpc, rpcauth
+from reflow import procs, redis_acl, rpc, rpcauth
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +73,21 @@ class Placement:
 
 class LocalBackend:
     def __init__(self, redis_url: str, health_timeout_s: float = 120.0) -> None:
+        # The URL the replay buffers it starts log in with (the buffer's Redis user).
         self.redis_url = redis_url
         self.health_timeout_s = health_timeout_s
 
     def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path,
                colocated: bool = False, log_name: str = ""):
         args = [sys.executable, "-m", "reflow.cli", "serve", service, "--port", str(port)]
-        env = {"REDIS_URL": self.redis_url, "REFLOW_METRICS_PORT": str(metrics_port),
+        # Only the buffer gets a Redis URL, its own; the rest get none (nor this
+        # process's own, which they would inherit otherwise).
+        env = {**redis_acl.env_for(service, {"replay": self.redis_url}),
+               "REFLOW_METRICS_PORT": str(metrics_port),
                **self._cpu_env(service, colocated),
-               # The signing keys stay here; a service gets the public keys only.
-               **rpcauth.service_env()}
+               # The signing keys stay here; a service gets the public keys only,
+               # and its own TLS certificate and key.
+               **rpcauth.service_env(), **rpcauth.tls_env(service)}
         # Each service leads a process group that its processes (vLLM's engine core)
         # join: release() finds them even after the service itself died.
         return procs.spawn(args, str(log_dir / f"{log_name or service}.log"), env=env,
@@ -154,7 +159,7 @@ class LocalBackend:
                 placement.processes[name] = self._serve(service, ports[name], metrics_ports[name],
                                                         log_dir, colocated, log_name=name)
             for name in services:
-                rpc.wait_healthy(address[name], self.health_timeout_s)
+                rpc.wait_healthy(address[name], self.health_timeout_s, role=services[name])
         except Exception:
             self.release(placement)
             raise
@@ -177,7 +182,7 @@ class LocalBackend:
         service, port, metrics_port = placement.launches[name]
         placement.processes[name] = self._serve(service, port, metrics_port, placement.log_dir,
                                                 placement.colocated, log_name=name)
-        rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s)
+        rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s, role=service)
         logger.info("%s restarted (pid %d)", name, placement.processes[name].pid)
 
     def retire(self, placement: Placement, name: str) -> None:

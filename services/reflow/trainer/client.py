@@ -32,7 +32,7 @@ class GrpcTrainerClient:
 
         self.address = address
         self.deadline_s = deadline_s
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, "trainer")
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
 
     def start_job(self, job_id: str, spec_json: str, replay_address: str,

@@ -16,7 +16,7 @@ class GrpcWorkerClient:
 
         self.address = address
         self.deadline_s = deadline_s
-        self._channel = rpc.channel(address)
+        self._channel = rpc.channel(address, "worker")
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
 
     def set_role(self, job_id: str, role: str, drain_timeout_s: float = 60.0,

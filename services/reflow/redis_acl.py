@@ -196,7 +196,9 @@ def chart_helper() -> str:
     rules = []
     for u in USERS:
         text = rule(u)
-        assert "'" not in text and "{{" not in text, text  # a YAML and template literal
+        if "'" in text or "{{" in text:  # it goes in as a YAML and template literal
+            raise ValueError(f"redis_acl.USERS[{u.name}]: a rule with ' or {{{{ cannot be "
+                             f"rendered into the chart: {text}")
         rules.append(f"{u.name}: '{text}'")
     return "\n".join([
         "{{- /* Generated from services/reflow/redis_acl.py by `python -m reflow.redis_acl "

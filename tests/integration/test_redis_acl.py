@@ -273,13 +273,16 @@ def test_the_charts_acl_script_makes_the_same_users(tmp_path):
     server = EmbeddedRedis(tmp_path, port=port, passwords=passwords)
     try:
         admin = redis.Redis(port=port, password=passwords.admin)
-        deadline = time.monotonic() + 10
+        # A hang guard for the server's start, not a speed bound: it fails at once
+        # if the start script exits (a rule Redis refused).
+        deadline = time.monotonic() + 120
         while True:
             try:
                 admin.ping()
                 break
             except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline
+                assert proc.poll() is None, "the chart's Redis start script exited"
+                assert time.monotonic() < deadline, "Redis did not answer within 120 s"
                 time.sleep(0.05)
         assert (tmp_path / "users.acl").stat().st_mode & 0o777 == 0o600
         # The same users as the embedded Redis makes from redis_acl.py.

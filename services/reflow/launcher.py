@@ -97,6 +97,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     from reflow.scheduler.client import GrpcSchedulerClient
     from reflow.core.errors import FailedPrecondition, NotFound
     from reflow.scheduler.local import record_endpoints
+    from reflow.tasks.confine import SECRET_PATHS_ENV
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(out or f"runs/{spec.name}-{stamp}").absolute()
@@ -137,6 +138,12 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         # model: `reflow run` trusts its own command line, not the network).
         models_root = os.environ.get(MODELS_ROOT_ENV) or str(Path(spec.model.path).parent)
         env = {RUNS_ROOT_ENV: str(run_dir.parent), MODELS_ROOT_ENV: models_root}
+        # What reward processes hide from themselves (reflow.tasks.confine): every
+        # role's TLS key, the API's token, and Redis's ACL and append-only files
+        # (which a Redis restarted by `supervise` would load, rewritten or not).
+        env[SECRET_PATHS_ENV] = os.pathsep.join(filter(None, [
+            os.environ.get(SECRET_PATHS_ENV, ""),
+            *(str(run_dir / name) for name in ("tls", "api-token", "redis"))]))
         redis_urls = {user: redis.url_for(user) for user in redis_acl.USER_NAMES}
         sched_port, api_port, sched_metrics, api_metrics = procs.free_ports(4)
         record_endpoints(run_dir, {

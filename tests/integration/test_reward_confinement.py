@@ -1,7 +1,8 @@
 """Reward processes start confined (reflow.tasks.confine): a hostile reward finds
-no credential of the worker's, cannot reach the network, cannot fork without
-bound or allocate without limit, and cannot talk the pool into anything with
-what it writes on the protocol pipe. Each such call fails with its own
+no credential of the worker's (in its environment or in the worker's secret
+files), cannot reach the network, cannot fork without bound or allocate
+without limit, and cannot talk the pool into anything with what it writes on
+the protocol pipe. Each such call fails with its own
 `reward_error`, and the pool goes on scoring.
 
 The hostile reward is a real plug-in, installed as an operator would
@@ -29,7 +30,8 @@ import pytest
 
 from reflow.rollout.scoring import ErrorWindow
 from reflow.tasks import Prompt, TaskContext
-from reflow.tasks.confine import RewardLimits, environment
+from reflow.tasks.confine import (ALWAYS_SECRET, MAX_SECRET_PATHS, PACKAGE_ROOT, RewardLimits,
+                                  environment, parse_secret_paths, secret_paths)
 from reflow.tasks.rewards import REWARD_ERRORS, RewardPool, RewardResult
 
 MARKER = "s3cr3t-do-not-leak"
@@ -102,6 +104,33 @@ class ProbeTask:
             seen = {"environ": dict(os.environ), "self": _read("/proc/self/environ"),
                     "others": {pid: text for pid, text in others.items() if text is not None}}
             with open(arg, "w") as f:
+                json.dump(seen, f)
+            return 1.0 if "s3cr3t" in json.dumps(seen) else 0.0
+        if action == "files":
+            # Read, list, overwrite and unmount what the worker keeps secret.
+            import ctypes
+
+            with open(arg) as f:
+                asked = json.load(f)
+            libc = ctypes.CDLL(None, use_errno=True)
+            seen = {"read": {p: _read(p) for p in asked["read"]}, "list": {}, "write": {},
+                    "umount": {}}
+            for path in asked["list"]:
+                try:
+                    seen["list"][path] = sorted(os.listdir(path))
+                except OSError as err:
+                    seen["list"][path] = err.strerror
+            for path in asked["read"]:
+                try:
+                    with open(path, "w") as f:
+                        f.write("overwritten by a reward")
+                    seen["write"][path] = "written"
+                except OSError as err:
+                    seen["write"][path] = err.strerror
+            for path in asked["list"] + asked["read"]:
+                seen["umount"][path] = libc.umount2(path.encode(), 2) == 0
+            seen["after"] = {p: _read(p) for p in asked["read"]}
+            with open(asked["out"], "w") as f:
                 json.dump(seen, f)
             return 1.0 if "s3cr3t" in json.dumps(seen) else 0.0
         if action == "fork":
@@ -256,6 +285,124 @@ def test_a_reward_finds_no_credential_of_the_worker(probe_path, tmp_path):
     if out["confinement"]["proc_isolated"]:
         # Its /proc shows its own pid namespace only: no worker to read from.
         assert len(seen["others"]) <= 2
+
+
+def _secret_files(root: Path) -> dict[str, Path]:
+    """A worker's secrets as `reflow run` and a pod lay them out, each holding
+    MARKER: a run's TLS directory (every role's key), an API token file, a
+    password file in a directory of its own, and a token file inside the
+    datasets root, beside a dataset the task reads."""
+    files = {"tls_key": root / "run" / "tls" / "rollout.key",
+             "tls_other_key": root / "run" / "tls" / "api.key",
+             "api_token": root / "run" / "api-token",
+             "redis_password": root / "secrets" / "redis" / "password",
+             "hf_token": root / "datasets" / "hf-token"}
+    for name, path in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{MARKER}-{name}\n")
+    (root / "datasets" / "prompts.jsonl").write_text('{"prompt": "dataset-ok"}\n')
+    return files
+
+
+def _secret_env(root: Path, files: dict[str, Path]) -> dict[str, str]:
+    return {"REFLOW_TLS_DIR": str(root / "run" / "tls"),
+            "REFLOW_TLS_KEY_FILE": str(files["tls_key"]),
+            "REDIS_PASSWORD_FILE": str(files["redis_password"]),
+            "HF_TOKEN_FILE": str(files["hf_token"]),
+            "REFLOW_SECRET_PATHS": os.pathsep.join([str(files["api_token"]), "/nonexistent"]),
+            "REFLOW_DATASETS_DIR": str(root / "datasets")}
+
+
+def test_a_reward_cannot_read_list_or_overwrite_the_workers_secret_files(
+        pool_factory, tmp_path, monkeypatch):
+    files = _secret_files(tmp_path / "worker")
+    for name, value in _secret_env(tmp_path / "worker", files).items():
+        monkeypatch.setenv(name, value)
+    pool = pool_factory(timeout_s=20.0)  # builds and scores: the task still works
+    _require(pool, "pid_namespace")
+    assert pool.confinement["files_hidden"], pool.confinement
+    # The TLS directory, the token, the password's directory, the token in the datasets.
+    assert pool.confinement["num_paths_hidden"] >= 4, pool.confinement
+    dataset = tmp_path / "worker" / "datasets" / "prompts.jsonl"
+    asked = tmp_path / "asked.json"
+    asked.write_text(json.dumps({
+        "read": [str(p) for p in files.values()] + [str(dataset)],
+        "list": [str(tmp_path / "worker" / "run" / "tls"),
+                 str(tmp_path / "worker" / "secrets" / "redis"),
+                 str(tmp_path / "worker" / "datasets")],
+        "out": str(tmp_path / "seen.json")}))
+    assert pool.score(PROMPT, f"files {asked}") == RewardResult(0.0)  # 1.0: it read a secret
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert MARKER not in json.dumps(seen), seen
+    for name, path in files.items():
+        # Under /dev/null (empty), or in a directory covered by an empty one (gone).
+        assert seen["read"][str(path)] in ("", None), (name, seen["read"])
+        assert seen["after"][str(path)] in ("", None), (name, seen["after"])
+        # The worker's own files are untouched: mounts stay in the reward's namespace.
+        assert path.read_text() == f"{MARKER}-{name}\n", name
+    assert seen["list"][str(tmp_path / "worker" / "run" / "tls")] == []
+    assert seen["list"][str(tmp_path / "worker" / "secrets" / "redis")] == []
+    # The task reads its data: the datasets root stays, only the token in it is covered.
+    assert seen["read"][str(dataset)] == '{"prompt": "dataset-ok"}\n'
+    assert seen["list"][str(tmp_path / "worker" / "datasets")] == ["hf-token", "prompts.jsonl"]
+    # Nothing covered can be uncovered: no capability is left to unmount with.
+    hidden = [p for p, unmounted in seen["umount"].items() if unmounted]
+    assert not hidden, hidden
+    _still_healthy(pool)
+
+
+def test_secret_paths_hides_directories_but_never_what_a_task_needs(tmp_path):
+    files = _secret_files(tmp_path)
+    env = _secret_env(tmp_path, files)
+    # A Kubernetes Secret volume: files are symlinks through ..data to a dated folder.
+    volume = tmp_path / "etc-tls"
+    (volume / "..2024_01_01").mkdir(parents=True)
+    (volume / "..2024_01_01" / "tls.key").write_text(MARKER)
+    (volume / "..data").symlink_to("..2024_01_01")
+    (volume / "tls.key").symlink_to("..data/tls.key")
+    env.update(
+        REFLOW_TLS_CA_FILE=str(volume / "tls.key"),
+        # The same directory three ways, and a folder inside it: listed once.
+        REFLOW_API_PUBLIC_KEY_FILE=str(files["tls_other_key"]),
+        REFLOW_SECRET_PATHS=os.pathsep.join([
+            str(files["api_token"]), str(tmp_path / "run" / "tls"),
+            str(tmp_path / "run" / "tls" / "."), "/", sys.prefix, str(PACKAGE_ROOT)]),
+        # A file directly in a system directory: that file alone.
+        SYSTEM_FILE="/etc/passwd",
+        MISSING_FILE=str(tmp_path / "nowhere" / "key"),
+        EMPTY_FILE="")
+    paths = secret_paths(env, needed=[tmp_path / "home"])
+    always = tuple(os.path.realpath(p) for p in ALWAYS_SECRET)  # this machine's own
+    mine = [p for p in paths if not p.startswith(always)]
+    real = Path(os.path.realpath(tmp_path))
+    assert sorted(mine) == sorted([
+        "/etc/passwd",
+        str(real / "datasets" / "hf-token"),  # the datasets root stays readable
+        str(real / "etc-tls"),
+        str(real / "run" / "api-token"),
+        str(real / "run" / "tls"),
+        str(real / "secrets" / "redis"),
+    ]), paths
+    assert "/" not in paths and "/etc" not in paths
+    assert len(paths) == len(set(paths))
+    # A secret directory that holds what the task needs (the interpreter, reflow,
+    # the process's own directory) is never covered whole.
+    for needed in (sys.prefix, str(PACKAGE_ROOT), str(tmp_path / "home")):
+        assert not [p for p in paths if os.path.realpath(needed).startswith(p)], (needed, paths)
+    holder = {"X_FILE": str(tmp_path / "holder" / "key")}
+    (tmp_path / "holder" / "home").mkdir(parents=True)
+    (tmp_path / "holder" / "key").write_text(MARKER)
+    assert str(real / "holder" / "key") in secret_paths(holder, needed=[tmp_path / "holder" / "home"])
+    assert str(real / "holder") not in secret_paths(
+        holder, needed=[tmp_path / "holder" / "home"])
+
+
+def test_a_reward_process_accepts_only_a_bounded_list_of_absolute_paths():
+    assert parse_secret_paths('["/a", "/b/c"]') == ["/a", "/b/c"]
+    for bad in ('"/a"', '["relative/path"]', '[1]', '["/a\\u0000b"]',
+                json.dumps(["/x"] * (MAX_SECRET_PATHS + 1))):
+        with pytest.raises(ValueError):
+            parse_secret_paths(bad)
 
 
 CLOSE_SCRIPT = """

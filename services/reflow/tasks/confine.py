@@ -38,9 +38,27 @@ first action, before it imports the task (reflow.tasks.reward_child):
    user namespaces), the process runs without and says so (`network_isolated`
    false): the pool logs it once and the job goes on.
 
-What this does not confine: files. The process keeps the worker's effective
-uid, so it can read and write what the worker can (its TLS key file, say); a
-mount namespace with only the paths a task needs is the next step.
+4. Files: the worker lists the paths that hold its secrets (`secret_paths`,
+   from its own environment: the directory of every `*_FILE` variable's file,
+   REFLOW_TLS_DIR, REFLOW_SECRET_PATHS, /run/secrets and /var/run/secrets, the
+   credential files of its HOME) and passes them on the command line; the
+   namespace's init, in its own mount namespace, covers each directory with an
+   empty read-only tmpfs and each file with /dev/null (`hide_files`) before it
+   drops its capabilities, so the reward can neither read them nor unmount
+   what covers them. A directory that is, or holds, something the task needs
+   (the interpreter, the reflow package, PYTHONPATH, the datasets, models and
+   HF roots, the process's own directory) or a system directory (/etc, /usr,
+   ...) is never covered whole: the secret file alone is. Where the kernel
+   refuses the namespaces, nothing is hidden (`files_hidden` false, and the
+   note says so).
+
+What this does not confine: every other file. The process keeps the worker's
+effective uid, so it reads and writes whatever else the worker can: the job's
+datasets and model files (which a reward may legitimately need), its run
+directory's checkpoints and logs, a secret file named nowhere in the worker's
+environment, and a secret reachable through a second mount of it (a bind
+mount elsewhere) or a hard link. A mount namespace holding only the paths a
+task needs would close that too.
 """
 
 from __future__ import annotations
@@ -48,10 +66,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import math
 import os
 import resource
 import signal
+import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,9 +97,36 @@ SECRET_WORDS = ("CREDENTIAL", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "A
 # The directory holding the `reflow` package, put on the child's PYTHONPATH.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
+# Secret files and directories the worker names besides its *_FILE variables
+# (os.pathsep-separated; `reflow run` lists its TLS directory, API token and Redis files).
+SECRET_PATHS_ENV = "REFLOW_SECRET_PATHS"  # nosec B105 # a variable's name, not a secret
+# Credential files under names that do not end in _FILE.
+SECRET_FILE_ENV = ("GOOGLE_APPLICATION_CREDENTIALS", "HF_TOKEN_PATH", "KUBECONFIG")
+# Always hidden where they exist: Kubernetes service-account tokens, Docker secrets.
+ALWAYS_SECRET = ("/var/run/secrets", "/run/secrets")
+# Credentials that tools keep under the worker's HOME.
+HOME_SECRETS = (".ssh", ".aws", ".azure", ".config/gcloud", ".kube", ".docker", ".netrc",
+                ".git-credentials", ".pypirc", ".cache/huggingface/token")
+# Roots of what a task may need (besides the interpreter and PACKAGE_ROOT): a
+# directory that is or holds one of these is never hidden whole.
+NEEDED_ENV = ("REFLOW_DATASETS_DIR", "REFLOW_MODELS_DIR", "HF_HOME", "HF_HUB_CACHE")
+# The system's own directories: a secret file in one is hidden alone.
+SYSTEM_DIRS = frozenset({
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+    "/media", "/mnt", "/opt", "/proc", "/run", "/sbin", "/srv", "/sys", "/usr",
+    "/usr/bin", "/usr/lib", "/usr/local", "/usr/share", "/var", "/var/lib", "/var/run",
+    # Names to compare against, never written to.
+    "/tmp", "/var/tmp"})  # nosec B108
+# Bounds the reward process checks the list it is given against.
+MAX_SECRET_PATHS = 256
+MAX_PATH_CHARS = 4096
+
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 1 << 12, 1 << 14, 1 << 18
+# What covers a hidden directory: empty, read-only, nothing to execute.
+HIDING_TMPFS_OPTIONS = b"size=4k,mode=0555"
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 CAPABILITY_VERSION_3 = 0x20080522
 # Namespaced RLIMIT_NPROC counting (ucounts) arrived in Linux 5.14.
@@ -93,9 +141,12 @@ class Confinement:
     pid_namespace: bool = False
     proc_isolated: bool = False
     process_limit: bool = False
+    # Every path of `secret_paths` that existed is covered (step 4).
+    files_hidden: bool = False
+    num_paths_hidden: int = 0
     note: str = ""
 
-    def to_dict(self) -> dict[str, bool | str]:
+    def to_dict(self) -> dict[str, bool | int | str]:
         return asdict(self)
 
 
@@ -111,6 +162,82 @@ def environment(home: Path, inherited: dict[str, str] | None = None) -> dict[str
                PYTHONPATH=os.pathsep.join([*paths, str(PACKAGE_ROOT)]))
     return {name: value for name, value in env.items()
             if not any(word in name.upper() for word in SECRET_WORDS)}
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _needed(env: Mapping[str, str], needed: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """What a reward process may need to read, resolved: the interpreter, the
+    reflow package, every PYTHONPATH entry, the roots of NEEDED_ENV, `needed`."""
+    paths: list[str | os.PathLike[str]] = [
+        sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+        PACKAGE_ROOT, *needed]
+    paths += [env[name] for name in NEEDED_ENV if env.get(name)]
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [_real(p) for p in paths if os.fspath(p)]
+
+
+def _may_hide(path: str, needed: list[str]) -> bool:
+    if path in SYSTEM_DIRS:
+        return False
+    return not any(_within(keep, path) for keep in needed)
+
+
+def _candidates(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(path to hide, the file to hide instead if that path may not be): for a
+    secret file, its directory as named and as resolved; for a directory, itself."""
+    found: list[tuple[str, str]] = []
+    files = [value for name, value in env.items()
+             if value and (name.endswith("_FILE") or name in SECRET_FILE_ENV)]
+    if env.get("KUBECONFIG"):
+        files += env["KUBECONFIG"].split(os.pathsep)
+    for value in files:
+        if not value or not os.path.exists(value):
+            continue
+        real = _real(value)
+        if os.path.isdir(real):
+            found.append((real, ""))
+        else:
+            found += [(_real(os.path.dirname(os.path.abspath(value))), real),
+                      (os.path.dirname(real), real)]
+    listed = [env.get("REFLOW_TLS_DIR", ""), *env.get(SECRET_PATHS_ENV, "").split(os.pathsep),
+              *ALWAYS_SECRET]
+    if env.get("HOME"):
+        listed += [os.path.join(env["HOME"], name) for name in HOME_SECRETS]
+    if env.get("HF_HOME"):
+        listed.append(os.path.join(env["HF_HOME"], "token"))
+    found += [(_real(value), "") for value in listed if value and os.path.exists(value)]
+    return found
+
+
+def secret_paths(env: Mapping[str, str] | None = None,
+                 needed: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
+    """The resolved paths a reward process hides (step 4), from the worker's
+    environment `env` (default: this process's); `needed` adds what the task
+    reads besides `_needed`'s roots (its datasets root, the process's own
+    directory). Nested paths are dropped: their directory covers them."""
+    env = os.environ if env is None else env
+    keep = _needed(env, needed)
+    chosen = set()
+    for path, file in _candidates(env):
+        if _may_hide(path, keep):
+            chosen.add(path)
+        elif file and _may_hide(file, keep):
+            chosen.add(file)
+    paths: list[str] = []
+    for path in sorted(chosen):  # a directory sorts before what it holds
+        if not any(_within(path, kept) for kept in paths):
+            paths.append(path)
+    if len(paths) > MAX_SECRET_PATHS:
+        raise ValueError(f"{len(paths)} secret paths to hide from reward processes, more than "
+                         f"{MAX_SECRET_PATHS}: list their directories in {SECRET_PATHS_ENV}")
+    return paths
 
 
 class CpuLimitExceeded(BaseException):
@@ -189,9 +316,11 @@ def confine(limits: RewardLimits) -> Confinement:
         report.network_isolated = report.pid_namespace = True
     elif _unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
         report.network_isolated = True
-        report.note = f"no pid namespace: unshare refused ({os.strerror(err)})"
+        report.note = (f"no pid or mount namespace, secret files not hidden: unshare "
+                       f"refused ({os.strerror(err)})")
     else:
-        report.note = f"no network isolation: unshare refused ({os.strerror(err)})"
+        report.note = (f"no network isolation, secret files not hidden: unshare refused "
+                       f"({os.strerror(err)})")
     # The namespace's init and this process count too.
     headroom = limits.max_processes + (2 if report.pid_namespace else 1)
     if report.network_isolated and _kernel_at_least(PER_NAMESPACE_NPROC_KERNEL):
@@ -209,13 +338,64 @@ def set_parent_death_signal() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _make_private() -> bool:
+    """Mounts made from here on stay in this mount namespace."""
+    return _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+
+
 def mount_proc() -> bool:
     """In the namespace's init: a /proc of this pid namespace only (the worker's
     processes out of sight), mounts kept from propagating back. False if refused
     (a container that masks parts of /proc refuses it)."""
-    if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+    if not _make_private():
         return False
     return _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0
+
+
+def hide_files(paths: list[str], report: Confinement) -> None:
+    """Step 4, in the namespace's init before `drop_privileges`: an empty
+    read-only tmpfs over each directory of `paths`, /dev/null over each file (a
+    read returns nothing). Both follow a symlink, as the reward's open would.
+    A path this process cannot reach (gone, or behind a directory it may not
+    search) has nothing to hide; any other failure is named in the note."""
+    if not _make_private():
+        report.note = _joined(report.note, "secret files not hidden: mounts not private")
+        return
+    failures = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        target = os.fsencode(path)
+        if os.path.isdir(path):
+            done = _libc.mount(b"tmpfs", target, b"tmpfs",
+                               MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                               HIDING_TMPFS_OPTIONS) == 0
+        else:
+            done = _libc.mount(b"/dev/null", target, None, MS_BIND, None) == 0
+        if done:
+            report.num_paths_hidden += 1
+        else:
+            failures.append(f"{path} ({os.strerror(ctypes.get_errno())})")
+    report.files_hidden = not failures
+    if failures:
+        report.note = _joined(report.note, "secret files not hidden: " + ", ".join(failures))
+
+
+def _joined(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
+
+
+def parse_secret_paths(text: str) -> list[str]:
+    """The list a reward process is given (`secret_paths`, as JSON), checked:
+    at most MAX_SECRET_PATHS absolute paths; ValueError otherwise."""
+    paths = json.loads(text)
+    if not isinstance(paths, list) or len(paths) > MAX_SECRET_PATHS:
+        raise ValueError(f"secret paths: a JSON list of at most {MAX_SECRET_PATHS} paths")
+    for path in paths:
+        if (not isinstance(path, str) or not os.path.isabs(path) or "\0" in path
+                or len(path) > MAX_PATH_CHARS):
+            raise ValueError(f"secret paths: {str(path)[:80]!r} is not an absolute path")
+    return paths
 
 
 class _CapHeader(ctypes.Structure):

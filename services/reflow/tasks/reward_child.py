@@ -1,10 +1,11 @@
 """A reward process: the child side of reflow.tasks.rewards.
 
-Started as `python -m reflow.tasks.reward_child LIMITS_JSON` with a clean
-environment (reflow.tasks.confine.environment), it confines itself before
-anything else (limits, namespaces, no capabilities: reflow.tasks.confine),
-then builds its task by registered name and scores one request at a time, in
-its main thread (math-verify's `signal.alarm`).
+Started as `python -m reflow.tasks.reward_child LIMITS_JSON SECRET_PATHS_JSON`
+with a clean environment (reflow.tasks.confine.environment), it confines
+itself before anything else (limits, namespaces, the worker's secret files
+hidden, no capabilities: reflow.tasks.confine), then builds its task by
+registered name and scores one request at a time, in its main thread
+(math-verify's `signal.alarm`).
 
 The protocol is newline-delimited JSON over the process's stdin and stdout,
 which are moved to fds of their own first, so what a reward prints goes to
@@ -110,6 +111,7 @@ def _serve(requests: BinaryIO, out_fd: int, report: confine.Confinement,
 
 def main(argv: list[str]) -> None:
     limits = confine.RewardLimits.model_validate_json(argv[1])
+    secret_paths = confine.parse_secret_paths(argv[2])
     proto_in, proto_out = _protocol_fds()
     report = confine.confine(limits)
     if report.pid_namespace:
@@ -121,6 +123,7 @@ def main(argv: list[str]) -> None:
             _exit_like(pid)
         confine.set_parent_death_signal()
         report.proc_isolated = confine.mount_proc()
+        confine.hide_files(secret_paths, report)
     confine.drop_privileges()
     with os.fdopen(proto_in, "rb") as requests:
         _serve(requests, proto_out, report, max(1, limits.cpu_s_per_call))

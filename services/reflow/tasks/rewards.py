@@ -16,6 +16,8 @@ A reward scores model-written text, so its process is treated as hostile
 credential of the worker's reaches it), and before it builds its task it
 limits its memory, CPU, processes and file sizes and, where the kernel allows
 unprivileged user namespaces, leaves the network and the worker's /proc behind
+and hides the worker's secret files, which the pool lists from its own
+environment (`confine.secret_paths`) and passes on the command line
 (`RewardPool.network_isolated` says whether it did; a warning is logged once if
 not). It builds the task from its registered name, so nothing unregistered is
 ever imported (reflow.core.plugins). The pool talks to it in newline-delimited
@@ -77,7 +79,8 @@ LIMIT_SIGNALS = frozenset({signal.SIGKILL, signal.SIGXCPU, signal.SIGXFSZ})
 # Every message a reward process may send: its keys and their types.
 MESSAGES: dict[str, dict[str, type]] = {
     "ready": {"kind": str, "network_isolated": bool, "pid_namespace": bool,
-              "proc_isolated": bool, "process_limit": bool, "note": str},
+              "proc_isolated": bool, "process_limit": bool, "files_hidden": bool,
+              "num_paths_hidden": int, "note": str},
     "failed": {"kind": str, "message": str},
     "ok": {"id": int, "kind": str, "value": float, "retire": bool},
     "error": {"id": int, "kind": str, "message": str, "limit": bool, "retire": bool},
@@ -137,6 +140,8 @@ class _Spec:
     """What every process of a pool is started with."""
 
     limits_json: str
+    # confine.secret_paths, as JSON: what the process hides from itself.
+    secret_paths_json: str
     init: bytes
 
 
@@ -150,7 +155,7 @@ class _Process:
         self._spec = spec
         # No preexec_fn (the worker runs threads): the child confines itself.
         self.popen = subprocess.Popen(  # nosec B603 # fixed argv, no shell
-            [sys.executable, "-m", CHILD_MODULE, spec.limits_json],
+            [sys.executable, "-m", CHILD_MODULE, spec.limits_json, spec.secret_paths_json],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=confine.environment(self.home), cwd=self.home, start_new_session=True,
             close_fds=True)
@@ -372,7 +377,11 @@ class RewardPool:
                                "datasets_root": str(Path(context.datasets_root).absolute())})
         except (TypeError, ValueError) as err:
             raise ValueError(f"task.args: not representable as JSON ({err})") from None
-        self._spec = _Spec(limits.model_dump_json(), (init + "\n").encode())
+        # Every process's private directory lies under the temporary directory:
+        # nothing that holds it, nor the datasets, is hidden whole.
+        hidden = confine.secret_paths(needed=(tempfile.gettempdir(), context.datasets_root))
+        self._spec = _Spec(limits.model_dump_json(), json.dumps(hidden),
+                           (init + "\n").encode())
         self.limits = limits
         self.timeout_s = timeout_s
         self.network_isolated: bool | None = None
@@ -409,11 +418,12 @@ class RewardPool:
             warn, self._warned = not self._warned, True
         if not warn:
             return
-        if isolated and confinement["process_limit"]:
+        if isolated and confinement["process_limit"] and confinement["files_hidden"]:
             logger.info("reward processes confined: %s", confinement)
         else:
             logger.warning("reward processes run with network_isolated: %s, process_limit: "
-                           "%s (%s); the job goes on", isolated, confinement["process_limit"],
+                           "%s, files_hidden: %s (%s); the job goes on", isolated,
+                           confinement["process_limit"], confinement["files_hidden"],
                            confinement["note"] or "the kernel refused")
 
     def _take(self) -> _Process:

@@ -30,6 +30,10 @@ CONTROL_TABLE: dict[str, dict[str, tuple[str, str]]] = {
     "reflow.v1.Worker": {
         "SetRole": ("scheduler", "flips a worker between trainer and rollout"),
     },
+    "reflow.v1.ReplayBuffer": {
+        "EndJob": ("scheduler", "ends a job on the buffer: its passes are no longer taken "
+                                "there (its samples stay, for a resume)"),
+    },
 }
 NO_JOB_ROLE = "scheduler"
 
@@ -55,9 +59,15 @@ JOB_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 # The scheduler's calls that put a job on a server (and its pass in the server's
 # book), and those that take it off: after them the job's passes get NOT_FOUND there.
+# The replay buffer's starting call is the scheduler's Configure, which it makes
+# when it places (or resumes) the job, before the trainer starts: the one call
+# that grants a job the buffer saw end (EndJob). Any other of the scheduler's
+# calls naming a job grants it only if it never ended there (core.grants.
+# RedisGrants), so a read of a finished job's stats does not open it again.
 GRANTING = frozenset({"/reflow.v1.Rollout/StartJob", "/reflow.v1.Trainer/StartJob",
-                      "/reflow.v1.Worker/SetRole"})
-REVOKING = frozenset({"/reflow.v1.Rollout/StopJob", "/reflow.v1.Trainer/StopJob"})
+                      "/reflow.v1.Worker/SetRole", "/reflow.v1.ReplayBuffer/Configure"})
+REVOKING = frozenset({"/reflow.v1.Rollout/StopJob", "/reflow.v1.Trainer/StopJob",
+                      "/reflow.v1.ReplayBuffer/EndJob"})
 # The service whose calls a pass of each role is handed with (the callee's role).
 _CALLEE_ROLE = {"reflow.v1.Rollout": "rollout", "reflow.v1.Trainer": "trainer"}
 
@@ -133,9 +143,11 @@ def authorization_rows() -> list[tuple[str, str, str]]:
                 roles = JOB_CALLERS[service][method.name]
                 who = "".join(f"the {r} (its job pass), " for r in roles) + \
                     f"the {NO_JOB_ROLE} (capability)"
-                rows.append((f"{service.split('.')[-1]}.{method.name}", who,
-                             "names a job: the pass's job and role must match" if job
-                             else "names no job"))
+                why = "names a job: the pass's job and role must match" if job \
+                    else "names no job"
+                if name in GRANTING:
+                    why += "; the scheduler's call (re)starts the job here"
+                rows.append((f"{service.split('.')[-1]}.{method.name}", who, why))
     return rows
 
 

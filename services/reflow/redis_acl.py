@@ -61,8 +61,8 @@ USERS: tuple[RedisUser, ...] = (
               "per job, and the jobs it was granted",
         keys=(*(f"reflow:{{*}}:{name}" for name in _BUFFER_KEYS), "reflow:job_grants"),
         commands=("del", "exists", "get", "set", "hdel", "hexists", "hget", "hgetall",
-                  "hincrby", "hmget", "hset", "zadd", "zcard", "zrandmember", "zrange",
-                  "zrangebyscore", "zrem", "zscore"),
+                  "hincrby", "hmget", "hset", "hsetnx", "zadd", "zcard", "zrandmember",
+                  "zrange", "zrangebyscore", "zrem", "zscore"),
     ),
     RedisUser(
         name="scheduler",

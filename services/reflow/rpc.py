@@ -77,8 +77,10 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "AcquireDispatch": "a grant whose reply was lost counts toward the budget unused "
                            "whether or not the call is retried: it errs toward dispatching "
                            "less, never more",
-        "PublishVersion": "records the same version and evicts nothing more",
+        "PublishVersion": "a version already published is accepted and changes nothing "
+                          "more (only the next one moves it)",
         "GetStats": "a read",
+        "EndJob": "ending an ended job changes nothing",
     },
     "reflow.v1.Rollout": {
         "StartJob": "a start of the job the worker already runs is a no-op",

@@ -23,9 +23,11 @@ What a call carries, in its metadata:
   calls for the job from the process's book (core.grants.JOB_TOKENS).
 
 A server runs a job once the scheduler's GRANTING call started it there (the
-replay buffer: any of the scheduler's calls naming it, kept in Redis so that it
-outlives a restart and every replica sees it); REVOKING calls end it there, and
-from then on the job's passes get NOT_FOUND, as for a job the server never ran.
+replay buffer: its Configure at placement, or any of its calls naming a job
+that never ended there; kept in Redis so that it outlives a restart and every
+replica sees it); REVOKING calls end it there (the buffer's EndJob when the job
+reaches its end), and from then on the job's passes get NOT_FOUND, as for a job
+the server never ran, until the scheduler starts it there again.
 
 Secrets are compared in constant time, as digests. Health checks
 (grpc.health.v1) need nothing: a kubelet probe holds no credential.
@@ -241,7 +243,8 @@ class Authorizer(grpc.ServerInterceptor):
         self._credential_digest = digest(self.creds.credential)
         self.grants = grants if grants is not None else JOB_TOKENS
         # The replay buffer is put on a job by any of the scheduler's calls naming
-        # it (its first is a read, at placement); the workers by GRANTING calls.
+        # it, unless the job ended there: then only by its starting call (authz.
+        # GRANTING); the workers by GRANTING calls alone.
         self.grant_on_any = isinstance(self.grants, RedisGrants)
         self.audiences: frozenset[str] = frozenset()
         self.nonces = caps.NonceBook()
@@ -328,8 +331,10 @@ class Authorizer(grpc.ServerInterceptor):
                role: str | None) -> tuple[grpc.StatusCode, str] | None:
         """None if the call may go on, else its refusal."""
         if claims is not None:  # the scheduler's (or the API's) own call
-            if job_id and (method in GRANTING or self.grant_on_any):
+            if job_id and method in GRANTING:
                 self.grants.grant(job_id, token)
+            elif job_id and self.grant_on_any:
+                self.grants.grant_unless_ended(job_id)
             elif job_id and token and self._same_role(self.grants.token(job_id), token):
                 # A fresh pass for its holder; a probe through the other service of a
                 # hybrid worker (the other role's pass) leaves the holder's pass as it is.
@@ -400,7 +405,7 @@ class _CallAuth(grpc.UnaryUnaryClientInterceptor):
         job_id = getattr(request, "job_id", "")
         # The control table's role for its methods; every other call of a process
         # that signs as the scheduler is signed too: the scheduler's calls naming a
-        # job grant the job's token where it runs (the replay buffer's first call).
+        # job may grant it where it runs (the replay buffer's Configure at placement).
         role = self._control.get(method) or NO_JOB_ROLE
         key = self.signing.get(role) if self.audience else None
         token = JOB_TOKENS.token(job_id) if job_id else ""

@@ -15,6 +15,7 @@ import redis
 
 from reflow import redis_acl, redisconn
 from reflow.core.config import ReplayConfig
+from reflow.core.errors import VersionGap
 from reflow.core.grants import RedisGrants
 from reflow.procs import free_port
 from reflow.replay.embedded import EmbeddedRedis, redis_server_binary
@@ -92,13 +93,23 @@ def test_the_buffer_does_all_it_does_as_the_replay_user(server, admin):
     time.sleep(0.05)
     assert store.return_all_leases(JOB) == 4 and store.expire_leases(JOB) == 0
     assert store.acquire_dispatch(JOB, 8, 4, 64, 64) == 8
-    assert store.publish_version(JOB, 3) > 0  # evicts what δ = 1 leaves behind
+    # One version at a time, evicting what δ = 1 leaves behind.
+    assert sum(store.publish_version(JOB, v) for v in (1, 2, 3)) > 0
+    with pytest.raises(VersionGap):
+        store.publish_version(JOB, 5)
     stats = store.stats(JOB)
     assert stats.policy_version == 3 and stats.put_total == 12 and stats.expired_leases_total >= 1
     grants = RedisGrants(store.redis)
     grants.grant(JOB, "")
     assert grants.granted(JOB)
     grants.revoke(JOB)
+    assert not RedisGrants(store.redis).granted(JOB)
+    RedisGrants(store.redis).grant_unless_ended(JOB)  # an ended job stays ended
+    assert not RedisGrants(store.redis).granted(JOB)
+    RedisGrants(store.redis).grant_unless_ended("acl-other")
+    assert RedisGrants(store.redis).granted("acl-other")
+    grants.grant(JOB, "")
+    store.end_job(JOB)
     assert not RedisGrants(store.redis).granted(JOB)
     metrics = BufferMetrics(store)
     metrics.seen(JOB)

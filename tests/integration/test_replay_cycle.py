@@ -4,6 +4,8 @@ staleness bound δ, the sampler and the replay filter."""
 import pytest
 
 from reflow.core.config import ReplayConfig
+from reflow.core.errors import FailedPrecondition, VersionGap
+from reflow.core.grants import RedisGrants
 from reflow.core.types import Segment, Trajectory
 from reflow.replay.store import ReplayStore
 
@@ -126,6 +128,7 @@ def test_the_staleness_reference_decides_whether_a_straggler_condemns_its_group(
     earliest-finished member's) the group is version 0 and arrives too stale; by
     `completed` it is version 2, the version its last member finished under."""
     store.configure("j", ReplayConfig(max_staleness=1, staleness_version=reference))
+    store.publish_version("j", 1)
     store.publish_version("j", 2)
     assert store.put("j", straggler_group("g")) == 4
     stats = store.stats("j")
@@ -134,3 +137,61 @@ def test_the_staleness_reference_decides_whether_a_straggler_condemns_its_group(
         # It then ages from version 2: still there at 3, evicted at 4.
         assert store.publish_version("j", 3) == 0
         assert store.publish_version("j", 4) == 4
+
+
+def _keys(store) -> dict[bytes, bytes]:
+    return {key: store.redis.dump(key) for key in sorted(store.redis.keys("*"))}
+
+
+def test_a_version_is_published_one_at_a_time(store):
+    """The next version is published; one already reached is accepted and changes
+    nothing (a retry after a lost reply); one past the next is refused in the
+    script, before anything is written, with a message naming the field, the
+    buffer's version and the rule."""
+    store.configure("j", ReplayConfig(max_staleness=1))
+    store.put("j", group("old", version=0) + group("new", version=1))
+    assert store.publish_version("j", 1) == 0
+    assert store.publish_version("j", 2) == 4  # "old" (v0) < 2 - 1
+    before = _keys(store)
+    for again in (2, 1, 0):
+        assert store.publish_version("j", again) == 0
+        assert _keys(store) == before, again
+    for skip in (4, 3 + 10**6):
+        with pytest.raises(VersionGap, match=r"policy_version: \d+ .* at version 2.* next "
+                                             r"one \(3\)") as err:
+            store.publish_version("j", skip)
+        assert isinstance(err.value, FailedPrecondition)
+        assert _keys(store) == before, skip
+    assert store.version("j") == 2 and store.stats("j").unused_samples == 4
+    assert store.publish_version("j", 3) == 4  # "new" (v1) < 3 - 1
+    with pytest.raises(ValueError, match="policy_version must be >= 0"):
+        store.publish_version("j", -1)
+
+
+def test_returned_leases_are_still_judged_at_the_current_version(store):
+    """expire_leases publishes the current version again: accepted, and what aged
+    past δ while leased leaves the pools."""
+    store.configure("j", ReplayConfig(max_staleness=1))
+    store.put("j", group("a", version=0))
+    batch = store.lease("j", 4, 30, timeout_s=0.1)
+    store.publish_version("j", 1)
+    store.publish_version("j", 2)
+    assert store.return_lease("j", batch.lease_id) == 4
+    stats = store.stats("j")
+    assert (stats.unused_samples, stats.evicted_total, stats.policy_version) == (0, 4, 2)
+
+
+def test_ending_a_job_revokes_its_grant_and_keeps_its_data(store):
+    store.configure("j", ReplayConfig())
+    store.put("j", group("a"))
+    store.grants.grant("j", "")
+    data = {k: v for k, v in _keys(store).items() if k != RedisGrants.KEY.encode()}
+    store.end_job("j")
+    store.end_job("j")  # idempotent
+    assert not RedisGrants(store.redis).granted("j")
+    assert {k: v for k, v in _keys(store).items() if k != RedisGrants.KEY.encode()} == data
+    # An ended job is not granted again by anything but a new start.
+    store.grants.grant_unless_ended("j")
+    assert not RedisGrants(store.redis).granted("j")
+    store.grants.grant("j", "")
+    assert RedisGrants(store.redis).granted("j")

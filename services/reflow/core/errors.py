@@ -36,6 +36,12 @@ class FailedPrecondition(RuntimeError):
     (no such job on this worker, a weight version out of order)."""
 
 
+class VersionGap(FailedPrecondition):
+    """A policy version published past the next one (the replay buffer moves one
+    version at a time); the message names `policy_version`, the buffer's current
+    version and the rule. The publisher walks the buffer up to its own version."""
+
+
 class TemporaryError(RuntimeError):
     """A fault the job controller recovers from and retries after `delay_s`: a
     service that died and can be restarted, an outage that may end. Modelled on

@@ -3,10 +3,10 @@ with its calls for each (reflow.rpcauth checks them; the scheduler signs the
 passes, reflow.capabilities). Here without gRPC, so that the stores can hold
 them.
 
-A grant is made by the scheduler's signed call naming the job, and lasts until
-the job is stopped on the server (`revoke`). A pass proves the caller's role in
-the job; a grant says the server runs the job at all (a server that holds none
-answers NOT_FOUND, as for a job it never saw).
+A grant is made by the scheduler's signed call starting the job there, and
+lasts until the job is stopped on the server (`revoke`). A pass proves the
+caller's role in the job; a grant says the server runs the job at all (a server
+that holds none answers NOT_FOUND, as for a job it never saw).
 """
 
 from __future__ import annotations
@@ -51,11 +51,18 @@ JOB_TOKENS = JobTokens()
 
 class RedisGrants:
     """The replay buffer's grants: the jobs it serves, in one Redis hash, so they
-    outlive a restart and every replica sees them. Read through a local copy
-    that is trusted for CACHE_S (a grant revoked through another replica is
-    seen within that)."""
+    outlive a restart and every replica sees them. The scheduler's starting call
+    for a job grants it (`grant`); any other of its calls naming the job grants it
+    only if the job never ended here (`grant_unless_ended`: a job placed before
+    its grant was kept, or one a Redis that lost writes forgot). `revoke` (the
+    scheduler's EndJob) leaves the job marked ended rather than forgotten, so that
+    a later read of a finished job (its stats) does not serve its passes again;
+    only a new start does (the marker stays, as the job's samples do). Read
+    through a local copy that is trusted for CACHE_S (a grant revoked through
+    another replica is seen within that)."""
 
     KEY = "reflow:job_grants"
+    GRANTED, ENDED = b"1", b"0"
     CACHE_S = 5.0
 
     def __init__(self, redis_client) -> None:
@@ -63,15 +70,29 @@ class RedisGrants:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[bool, float]] = {}
 
+    def _remember(self, job_id: str, granted: bool | None) -> None:
+        with self._lock:
+            if granted is None:
+                self._cache.pop(job_id, None)
+            else:
+                self._cache[job_id] = (granted, time.monotonic())
+
     def grant(self, job_id: str, token: str) -> None:
+        """The job (re)starts here: granted, whether or not it ended before."""
         del token  # the buffer makes no calls of its own for a job
+        self.redis.hset(self.KEY, job_id, self.GRANTED)
+        self._remember(job_id, True)
+
+    def grant_unless_ended(self, job_id: str) -> None:
+        """Granted, unless the job ended here: then it stays ended (one command,
+        so an EndJob at the same moment is never undone)."""
         with self._lock:
             granted, at = self._cache.get(job_id, (False, 0.0))
-            if granted and time.monotonic() - at < self.CACHE_S:
-                return
-        self.redis.hset(self.KEY, job_id, "1")
-        with self._lock:
-            self._cache[job_id] = (True, time.monotonic())
+        if granted and time.monotonic() - at < self.CACHE_S:
+            return
+        added = self.redis.hsetnx(self.KEY, job_id, self.GRANTED)
+        # Not added: granted or ended already; the next check reads which.
+        self._remember(job_id, True if added else None)
 
     def token(self, job_id: str) -> str:
         return ""
@@ -81,12 +102,10 @@ class RedisGrants:
             cached = self._cache.get(job_id)
         if cached is not None and time.monotonic() - cached[1] < self.CACHE_S:
             return cached[0]
-        value = bool(self.redis.hexists(self.KEY, job_id))
-        with self._lock:
-            self._cache[job_id] = (value, time.monotonic())
+        value = self.redis.hget(self.KEY, job_id) == self.GRANTED
+        self._remember(job_id, value)
         return value
 
     def revoke(self, job_id: str) -> None:
-        self.redis.hdel(self.KEY, job_id)
-        with self._lock:
-            self._cache[job_id] = (False, time.monotonic())
+        self.redis.hset(self.KEY, job_id, self.ENDED)
+        self._remember(job_id, False)

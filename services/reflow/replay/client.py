@@ -45,10 +45,17 @@ class ReplayClient(abc.ABC):
                          version_limit: int) -> int: ...
 
     @abc.abstractmethod
-    def publish_version(self, job_id: str, policy_version: int) -> None: ...
+    def publish_version(self, job_id: str, policy_version: int) -> None:
+        """The job's next policy version (one already published is a no-op); one
+        past the next raises core.errors.VersionGap and changes nothing."""
 
     @abc.abstractmethod
     def stats(self, job_id: str) -> BufferStats: ...
+
+    @abc.abstractmethod
+    def end_job(self, job_id: str) -> None:
+        """The job ended: the buffer takes its passes no more (its samples stay,
+        for a resume). Idempotent."""
 
     def close(self) -> None:
         """Release transport resources."""
@@ -91,6 +98,9 @@ class InprocReplayClient(ReplayClient):
 
     def stats(self, job_id: str) -> BufferStats:
         return self.store.stats(job_id)
+
+    def end_job(self, job_id: str) -> None:
+        self.store.end_job(job_id)
 
 
 class GrpcReplayClient(ReplayClient):
@@ -228,16 +238,30 @@ class GrpcReplayClient(ReplayClient):
         return self._call("AcquireDispatch", req, self.deadline_s).granted
 
     def publish_version(self, job_id: str, policy_version: int) -> None:
+        import grpc
+
+        from reflow.core.errors import VersionGap
         from reflow.v1 import replay_pb2
 
         req = replay_pb2.PublishVersionRequest(job_id=job_id, policy_version=policy_version)
-        self._call("PublishVersion", req, self.deadline_s)
+        try:
+            self._call("PublishVersion", req, self.deadline_s)
+        except grpc.RpcError as err:
+            # The buffer's one refusal of a well-formed publish: a skipped version.
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise VersionGap(err.details()) from None
+            raise
 
     def stats(self, job_id: str) -> BufferStats:
         from reflow.v1 import common_pb2
 
         m = self._call("GetStats", common_pb2.JobRef(job_id=job_id), self.deadline_s)
         return BufferStats(**{f: getattr(m, f) for f in BufferStats.__dataclass_fields__})
+
+    def end_job(self, job_id: str) -> None:
+        from reflow.v1 import common_pb2
+
+        self._call("EndJob", common_pb2.JobRef(job_id=job_id), self.deadline_s)
 
     def close(self) -> None:
         """Ends the channel; a call in flight or in a retry wait raises Unavailable."""

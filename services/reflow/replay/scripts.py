@@ -178,13 +178,22 @@ return back_u + back_r
 
 # KEYS: samples, members, meta, seq, unused, replay, by_version, stats, version, sample_meta
 # ARGV: policy_version, max_staleness
-# Publishes a version (never backwards) and evicts every pooled group whose
-# oldest segment is older than version - max_staleness (paper §4.2). Leased
-# groups are judged when their lease is released or expires.
+# Publishes the next version, current + 1; a version already reached (a retry
+# after a lost reply, expire_leases' sweep) leaves it as it is. Either way it
+# evicts every pooled group whose oldest segment is older than version -
+# max_staleness (paper §4.2); leased groups are judged when their lease is
+# released or expires. A version past the next is refused before anything is
+# written: one call cannot jump the version (and age every sample out).
+# Returns {1, evicted}, or {0, current} when refused.
 PUBLISH = _SIZE + """
 local current = tonumber(redis.call('GET', KEYS[9]) or '0')
-local version = math.max(current, tonumber(ARGV[1]))
-redis.call('SET', KEYS[9], version)
+local wanted = tonumber(ARGV[1])
+if wanted > current + 1 then return {0, current} end
+local version = current
+if wanted == current + 1 then
+  version = wanted
+  redis.call('SET', KEYS[9], version)
+end
 local threshold = version - tonumber(ARGV[2])
 local stale = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', '(' .. threshold)
 local evicted = 0
@@ -201,7 +210,7 @@ for _, gid in ipairs(stale) do
   end
 end
 bump(KEYS[8], 'evicted_total', evicted)
-return evicted
+return {1, evicted}
 """
 
 # KEYS: stats

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from reflow import rpc, rpcauth
+from reflow import rpc
 from reflow.core.config import ReplayConfig
 from reflow.replay.metrics import BufferMetrics
 from reflow.replay.store import ReplayStore
@@ -91,6 +91,10 @@ class ReplayBufferServicer(replay_pb2_grpc.ReplayBufferServicer):
         stats = self.store.stats(request.job_id)
         return replay_pb2.BufferStats(**dataclasses.asdict(stats))
 
+    def EndJob(self, request, context):
+        self.store.end_job(request.job_id)
+        return common_pb2.Ack(ok=True)
+
 
 SERVICE_NAME = "reflow.v1.ReplayBuffer"
 # Sample long-polls for up to MAX_SAMPLE_WAIT_S: bounded by rpc.LongCallGuard.
@@ -108,6 +112,7 @@ def serve(store: ReplayStore, address: str,
         max_workers=64,
         max_long_calls=48,
         long_methods=LONG_METHODS,
-        # Job grants beside the job's data: they outlive this process (rpcauth).
-        grants=rpcauth.RedisGrants(store.redis),
+        # Job grants beside the job's data: they outlive this process (rpcauth). The
+        # store's own, so that its EndJob and the authorizer share one cache.
+        grants=store.grants,
     )

@@ -36,8 +36,11 @@ Redis Cluster slot):
     by_version   ZSET group_id by oldest policy version (staleness index)
     leases       ZSET lease_id by expiry      lease:<id> HASH group_id -> u|r
     stats        HASH counters (see BufferStats)
-    version      STRING latest published policy version
+    version      STRING latest published policy version (moves one at a time)
     config       STRING the job's ReplayConfig as JSON
+
+and, for all jobs, `reflow:job_grants` (HASH job_id -> whether the buffer serves
+the job: core/grants.py).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ import redis
 
 from reflow import redisconn
 from reflow.core.config import ReplayConfig, check_job_id
+from reflow.core.errors import VersionGap
+from reflow.core.grants import RedisGrants
 from reflow.core.types import Batch, Trajectory, group_staleness_version
 from reflow.replay import scripts
 from reflow.replay.plugins import (
@@ -142,6 +147,9 @@ class ReplayStore:
         self._expire = client.register_script(scripts.EXPIRE)
         self._publish = client.register_script(scripts.PUBLISH)
         self._dispatch = client.register_script(scripts.DISPATCH)
+        # The jobs the buffer serves, beside their data (the gRPC server checks
+        # calls against them; end_job revokes).
+        self.grants = RedisGrants(client)
         # Per job: the stored config's bytes, and the config and plug-ins built from
         # them, rebuilt only when the stored config changes.
         self._configs: dict[str, tuple[bytes, ReplayConfig, Sampler, ReplayFilter]] = {}
@@ -403,17 +411,34 @@ class ReplayStore:
     # --- versions and stats ----------------------------------------------------------
 
     def publish_version(self, job_id: str, policy_version: int) -> int:
-        """Record a new policy version and evict what it makes too stale (δ).
-        Returns the samples evicted."""
+        """Record the job's next policy version and evict what it makes too stale
+        (δ). A version already reached (a retry after a lost reply) is accepted and
+        leaves the version as it is; one past the next raises VersionGap, changing
+        nothing: a single call cannot jump the version, which would age every
+        pooled sample out at once and leave the job unable to catch up. Returns the
+        samples evicted."""
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         keys = self._keys(job_id, "samples", "members", "meta", "seq", "unused", "replay",
                           "by_version", "stats", "version", "sample_meta")
-        evicted = int(self._publish(keys=keys, args=[policy_version,
-                                                     staleness_window(self.config(job_id))]))
-        if evicted:
-            logger.info("job %s: version %d evicted %d stale samples", job_id, policy_version, evicted)
-        return evicted
+        published, value = (int(x) for x in self._publish(
+            keys=keys, args=[policy_version, staleness_window(self.config(job_id))]))
+        if not published:
+            raise VersionGap(
+                f"policy_version: {policy_version} skips versions: job {job_id}'s buffer is at "
+                f"version {value}, and a publish may only name the next one ({value + 1}) "
+                "or one already published")
+        if value:
+            logger.info("job %s: version %d evicted %d stale samples", job_id, policy_version,
+                        value)
+        return value
+
+    def end_job(self, job_id: str) -> None:
+        """The job ended (the scheduler's EndJob): its passes are no longer taken
+        here (core/grants.py). Its samples, counters and version stay: a stopped
+        job may be resumed and keeps its buffer. Idempotent."""
+        check_job_id(job_id)
+        self.grants.revoke(job_id)
 
     def version(self, job_id: str) -> int:
         raw = self.redis.get(self._key(job_id, "version"))

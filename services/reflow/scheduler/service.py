@@ -6,7 +6,8 @@ while the backend has no free workers), started on its services (rollout first,
 so the engine warms while the trainer loads), then watched: progress comes from
 the trainer's status, failures from any service process exiting or reporting an
 error, which the job's controller recovers from where it can
-(scheduler/controller.py). At the end its services are torn down and the record
+(scheduler/controller.py). At the end the replay buffer is told the job ended
+(its passes are taken there no more), its services are torn down and the record
 gets its terminal phase and reason. A scheduler that shuts down hands its jobs
 over to the next one; what that one does with them is scheduler/recovery.py.
 """
@@ -53,6 +54,8 @@ QUEUE_RETRY_S = 5.0
 # orderly teardown included).
 SHUTDOWN_JOIN_S = 120.0
 MAX_LOG_TAIL_BYTES = 8 * 1024 * 1024
+# How long a job's end waits for the replay buffer's EndJob, retries included.
+END_JOB_DEADLINE_S = 5.0
 WORKER_NAME = re.compile(r"worker-[0-9]{1,4}")
 
 
@@ -274,7 +277,7 @@ class Scheduler(JobRecovery):
                 self._placements[record.job_id] = placement
             record.workers = placement.workers
             self.store.save(record)
-            self._grant(record.job_id, placement)
+            self._grant(record.job_id, spec, placement)
             rollouts = [GrpcRolloutClient(a) for a in placement.rollout_addresses]
             trainer = GrpcTrainerClient(placement.trainer_address)
             # Each rollout engine's place in the trainer's weight-sync group, as the
@@ -323,6 +326,9 @@ class Scheduler(JobRecovery):
                 with self._lock:
                     self._placements.pop(record.job_id, None)
                     self._dispatchers.pop(record.job_id, None)
+                if record.phase not in ("PENDING", "RUNNING"):
+                    # Before the release: a local buffer goes down with the job.
+                    self._end_on_buffer(record.job_id, placement)
                 if not keep_running:
                     self.backend.release(placement)
                     self.queue.notify()
@@ -334,18 +340,36 @@ class Scheduler(JobRecovery):
                 self.store.save_final(record)
             logger.info("job %s %s %s", record.job_id, record.phase, record.reason)
 
-    def _grant(self, job_id: str, placement: Placement) -> None:
-        """Put the job on the replay buffer (rpcauth): the scheduler's signed calls
-        naming a job grant it there, and this read is the first, before the
+    def _grant(self, job_id: str, spec: JobSpec, placement: Placement) -> None:
+        """Start the job on the replay buffer (rpcauth): the scheduler's Configure,
+        with the job's replay settings, is the buffer's starting call (authz.GRANTING),
+        the one that serves a job again after its EndJob, and it comes before the
         trainer configures the job with its pass. The workers are granted the job,
         with their passes, by the calls that start it on them."""
         # Placed services are up: a buffer that does not answer within the channel's
         # own retries (rpc.RETRY_POLICY, a few seconds) fails the job.
         replay = GrpcReplayClient(placement.replay_address, retry_s=0.0)
         try:
-            replay.stats(job_id)
+            replay.configure(job_id, spec.replay)
         finally:
             replay.close()
+
+    def _end_on_buffer(self, job_id: str, placement: Placement) -> None:
+        """The job reached its end: the replay buffer takes its passes no more
+        (EndJob; its samples stay, for a resume). Within END_JOB_DEADLINE_S and
+        only logged when it fails: the job ends whatever the buffer answers, and
+        its passes expire on their own (capabilities.PASS_LIFETIME_S)."""
+        try:
+            replay = GrpcReplayClient(placement.replay_address, deadline_s=END_JOB_DEADLINE_S,
+                                      retry_s=0.0)
+            try:
+                replay.end_job(job_id)
+            finally:
+                replay.close()
+        except Exception as err:  # noqa: BLE001 - never holds up the job's end
+            logger.warning("job %s: the replay buffer was not told the job ended (its passes "
+                           "work there until they expire): %s: %s", job_id,
+                           type(err).__name__, err)
 
     def _adoptable(self, pool: ElasticPool | None) -> bool:
         """Whether a job would run on untouched past this scheduler, to be re-adopted:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from reflow.core.errors import VersionGap
 from reflow.procs import free_port
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
@@ -27,6 +28,28 @@ logger = logging.getLogger(__name__)
 
 # How long a rebuild waits for the replaced worker's engine to run again.
 ENGINE_RETURN_TIMEOUT_S = 600.0
+
+
+def publish_to_buffer(replay, job_id: str, version: int) -> int:
+    """Tell the replay buffer the job's policy version. The buffer moves one version
+    at a time (ReplayStore.publish_version: a single call cannot jump it), and may
+    be behind for good reasons: a resumed trainer publishes above every version
+    an engine holds, and engines may be ahead of the buffer; a Redis under
+    `appendfsync everysec` that crashed lost up to a second of publishes. On its
+    refusal the trainer, which holds `version`, walks the buffer up through each
+    version between, each evicting by δ as a publish does. Returns how many
+    versions the buffer was behind (0: it took `version` at once)."""
+    try:
+        replay.publish_version(job_id, version)
+        return 0
+    except VersionGap as err:
+        current = replay.stats(job_id).policy_version
+        logger.warning("job %s: the replay buffer is at v%d, %d versions behind v%d (%s); "
+                       "publishing each version up to it", job_id, current,
+                       version - 1 - current, version, err)
+    for step in range(current + 1, version + 1):
+        replay.publish_version(job_id, step)
+    return max(0, version - 1 - current)
 
 
 class WeightPublisher:
@@ -79,7 +102,8 @@ class WeightPublisher:
 
     def _publish(self, resync: bool = False) -> tuple[float, float]:
         """Send the weights to every rollout worker as version v+1, then tell the buffer
-        (`resync`: the first version of a resumed trainer, which may skip versions).
+        (`resync`: the first version of a resumed trainer, which may lie several
+        versions past the buffer's: `publish_to_buffer` walks it up).
         Returns the seconds it took, and how many of them the slowest worker spent
         pausing: the trainer's send waits for that, so it is trainer idle time (with
         partial rollout off, as verl's one_step_off, the pause lets the samples in
@@ -102,7 +126,7 @@ class WeightPublisher:
         sender.result()
         updates = [f.result() for f in futures]
         self.policy_version = version
-        self.replay.publish_version(self.job_id, version)
+        publish_to_buffer(self.replay, self.job_id, version)
         return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
 
     def _send_weights(self) -> None:

@@ -81,6 +81,11 @@ class ReplayBufferStub:
                 request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_replay__pb2.BufferStats.FromString,
                 _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/reflow.v1.ReplayBuffer/EndJob',
+                request_serializer=reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class ReplayBufferServicer:
@@ -139,7 +144,9 @@ class ReplayBufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PublishVersion(self, request, context):
-        """The trainer published a new policy version.
+        """The trainer published a new policy version: the next one (current + 1), or
+        one already published (a no-op). A version past the next is refused with
+        FAILED_PRECONDITION, changing nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -147,6 +154,15 @@ class ReplayBufferServicer:
 
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndJob(self, request, context):
+        """The scheduler ended the job (succeeded, failed or stopped): its passes are no
+        longer taken here until the scheduler starts it again. Its samples stay, for
+        a resume. Idempotent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -198,6 +214,11 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
                     response_serializer=reflow_dot_v1_dot_replay__pb2.BufferStats.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=reflow_dot_v1_dot_common__pb2.JobRef.FromString,
+                    response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +465,33 @@ class ReplayBuffer:
             '/reflow.v1.ReplayBuffer/GetStats',
             reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
             reflow_dot_v1_dot_replay__pb2.BufferStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.ReplayBuffer/EndJob',
+            reflow_dot_v1_dot_common__pb2.JobRef.SerializeToString,
+            reflow_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,19 @@ def print_table(plan, result: dict, missing: dict[str, list[int]]) -> None:
               f"| {_cell(equal.get('auc_reward'))} | {_cell(diff.get('auc_reward'), '+.3f', boot)} "
               f"| {_cell(ttt, '.0f', boot)} | {ttt['reached']}/{summary['num_seeds']} "
               f"| {_cell(held_last)} | {_cell(diff.get('held_out_last'), '+.3f', boot)} |")
+    print(f"\nPaired differences to {plan.reference}: bootstrap 95 % against the paired "
+          "t-interval (with few seeds the bootstrap is too narrow)\n")
+    print("| entry | Δ final, bootstrap | Δ final, t | Δ mean, bootstrap | Δ mean, t |")
+    print("|---|---|---|---|---|")
+    t_keys = ("estimate", "t_low", "t_high")
+    for entry in plan.entries:
+        diff = result["paired_vs_reference"].get(entry.name, {})
+        if not diff.get("final_reward") or "t_low" not in diff["final_reward"]:
+            continue
+        print(f"| {entry.name} | {_cell(diff['final_reward'], '+.3f', boot)} "
+              f"| {_cell(diff['final_reward'], '+.3f', t_keys)} "
+              f"| {_cell(diff['auc_reward'], '+.3f', boot)} "
+              f"| {_cell(diff['auc_reward'], '+.3f', t_keys)} |")
     print("\nOff-policy figures per step, mean over seeds [min, max] (max_staleness: the "
           "largest over every step and seed)\n")
     print("| entry | replay | clip | mismatch KL | ESS | stale clip | stale KL | replayed clip "

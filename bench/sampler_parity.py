@@ -1,5 +1,6 @@
 """Do ReFlow's engine and Hugging Face `generate` draw the same responses? The same
-prompts, the same initial weights, many samples each, compared by what training
+prompts, the same weights (the job's model.path: the initial ones, or a trained
+run's exported model), many samples each, compared by what training
 sees: reward, response length and how often the model stops by itself.
 
     python bench/sampler_parity.py examples/math.yaml --out DIR --prompts 16 --samples 32 \
@@ -153,12 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine, hf = scored(engine_rows), scored(hf_rows)
     diffs = [{k: e[k] - h[k] for k in e} for e, h in zip(engine, hf)]
-    result = {"prompts": args.prompts, "samples_per_prompt": args.samples,
+    result = {"model": model_dir, "prompts": args.prompts, "samples_per_prompt": args.samples,
               "engine": _summarise(engine), "hf_generate": _summarise(hf),
               "engine_minus_hf": _summarise(diffs), **timings,
               "per_prompt": {"engine": engine, "hf_generate": hf}}
     (out / "sampler_parity.json").write_text(json.dumps(result, indent=2))
-    print(f"{args.prompts} prompts x {args.samples} samples, initial weights; "
+    print(f"{args.prompts} prompts x {args.samples} samples, weights {model_dir}; "
           "mean [95 % interval over prompts]")
     print("| sampler | reward | response tokens | stopped by itself |\n|---|---|---|---|")
     for name, key in (("ReFlow engine (vLLM)", "engine"), ("HF generate (TRL)", "hf_generate"),

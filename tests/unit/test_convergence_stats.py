@@ -89,6 +89,21 @@ def test_paired_bootstrap_contains_the_true_difference():
         stats.paired_bootstrap(entry, reference[:4])
 
 
+def test_paired_t_interval_beside_the_bootstrap_is_wider_at_four_seeds():
+    # Four paired differences (SmolLM2 math, TRL - sync over the range): the
+    # percentile bootstrap excludes 0, the t-interval (t975(3) = 3.182) does not.
+    diffs = np.array([0.071, 0.057, -0.020, 0.108])
+    paired = stats.paired_bootstrap(diffs, np.zeros(4), seed=0)
+    half = 3.182 * diffs.std(ddof=1) / 2.0
+    assert paired["t_low"] == pytest.approx(diffs.mean() - half, abs=1e-3)
+    assert paired["t_high"] == pytest.approx(diffs.mean() + half, abs=1e-3)
+    assert paired["low"] > 0.0 > paired["t_low"]
+    assert paired["t_high"] > paired["high"]
+    # A seed that never reached a target has no t-interval.
+    reached = stats.paired_bootstrap([1.0, math.inf], [0.0, 0.0], seed=0)
+    assert math.isnan(reached["t_low"]) and math.isnan(reached["t_high"])
+
+
 def test_bootstrap_of_a_median_with_seeds_that_never_reached():
     result = stats.bootstrap([10.0, 12.0, 11.0, math.inf], np.median, seed=0)
     assert result["estimate"] == 11.5

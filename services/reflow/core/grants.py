@@ -70,12 +70,9 @@ class RedisGrants:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[bool, float]] = {}
 
-    def _remember(self, job_id: str, granted: bool | None) -> None:
+    def _remember(self, job_id: str, granted: bool) -> None:
         with self._lock:
-            if granted is None:
-                self._cache.pop(job_id, None)
-            else:
-                self._cache[job_id] = (granted, time.monotonic())
+            self._cache[job_id] = (granted, time.monotonic())
 
     def grant(self, job_id: str, token: str) -> None:
         """The job (re)starts here: granted, whether or not it ended before."""
@@ -84,15 +81,19 @@ class RedisGrants:
         self._remember(job_id, True)
 
     def grant_unless_ended(self, job_id: str) -> None:
-        """Granted, unless the job ended here: then it stays ended (one command,
-        so an EndJob at the same moment is never undone)."""
+        """Granted, unless the job ended here: then it stays ended (HSETNX, so an
+        EndJob at the same moment is never undone). The scheduler's dispatch calls
+        come through here, so the outcome, granted or ended, is cached as a lookup
+        is: one round trip per job per CACHE_S."""
         with self._lock:
-            granted, at = self._cache.get(job_id, (False, 0.0))
-        if granted and time.monotonic() - at < self.CACHE_S:
+            cached = self._cache.get(job_id)
+        if cached is not None and time.monotonic() - cached[1] < self.CACHE_S:
             return
-        added = self.redis.hsetnx(self.KEY, job_id, self.GRANTED)
-        # Not added: granted or ended already; the next check reads which.
-        self._remember(job_id, True if added else None)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hsetnx(self.KEY, job_id, self.GRANTED)
+        pipe.hget(self.KEY, job_id)
+        _, value = pipe.execute()
+        self._remember(job_id, value == self.GRANTED)
 
     def token(self, job_id: str) -> str:
         return ""

@@ -24,12 +24,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Prometheus (Debian package) for the test that scrapes a live run with it.
+# Prometheus (Debian package) for the test that scrapes a live run with it; bubblewrap
+# (`bwrap`), which the sandbox service isolates each execution with.
 system-deps:
-	@command -v prometheus >/dev/null || { \
+	@command -v prometheus >/dev/null && command -v bwrap >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-	  else echo "install Prometheus for the test suite: sudo apt-get install -y prometheus"; exit 1; fi; }
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus bubblewrap >/dev/null; \
+	  else echo "install Prometheus and bubblewrap for the test suite: sudo apt-get install -y prometheus bubblewrap"; exit 1; fi; }
 
 # Bandit over services/; pyproject.toml [tool.bandit] excludes the generated gRPC code.
 security-lint: setup

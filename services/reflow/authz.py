@@ -56,6 +56,10 @@ JOB_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
     # Trainer replicas poll their leader (trainer/membership.py).
     "reflow.v1.Trainer": {"GetStatus": ("trainer",), "JoinGroup": ("trainer",)},
     "reflow.v1.Worker": {"GetRole": ()},
+    # Rollout workers run the environments that execute model-written code. The
+    # sandbox keeps no book of jobs: any job whose rollout pass verifies is served
+    # (rpcauth.EVERY_JOB). Its counters name no job: the scheduler's.
+    "reflow.v1.Sandbox": {"Execute": ("rollout",), "GetStats": ()},
 }
 # The scheduler's calls that put a job on a server (and its pass in the server's
 # book), and those that take it off: after them the job's passes get NOT_FOUND there.
@@ -68,6 +72,9 @@ GRANTING = frozenset({"/reflow.v1.Rollout/StartJob", "/reflow.v1.Trainer/StartJo
                       "/reflow.v1.Worker/SetRole", "/reflow.v1.ReplayBuffer/Configure"})
 REVOKING = frozenset({"/reflow.v1.Rollout/StopJob", "/reflow.v1.Trainer/StopJob",
                       "/reflow.v1.ReplayBuffer/EndJob"})
+# The services that keep no grants (their servers take rpcauth.EVERY_JOB): a pass
+# that verifies is enough, for any job.
+GRANTLESS = frozenset({"reflow.v1.Sandbox"})
 # The service whose calls a pass of each role is handed with (the callee's role).
 _CALLEE_ROLE = {"reflow.v1.Rollout": "rollout", "reflow.v1.Trainer": "trainer"}
 
@@ -78,8 +85,8 @@ def control_methods(service_names: Iterable[str]) -> dict[str, str]:
     from google.protobuf import descriptor_pool
 
     import reflow.v1  # noqa: F401 - registers the descriptors
-    from reflow.v1 import (replay_pb2, rollout_pb2, scheduler_pb2, trainer_pb2,  # noqa: F401
-                           worker_pb2)
+    from reflow.v1 import (replay_pb2, rollout_pb2, sandbox_pb2,  # noqa: F401
+                           scheduler_pb2, trainer_pb2, worker_pb2)
 
     pool = descriptor_pool.Default()
     names: dict[str, str] = {}
@@ -118,7 +125,7 @@ def job_callers(service_names: Iterable[str]) -> dict[str, tuple[str, ...]]:
 
 
 SERVICES = ("reflow.v1.Scheduler", "reflow.v1.Trainer", "reflow.v1.Rollout", "reflow.v1.Worker",
-            "reflow.v1.ReplayBuffer")
+            "reflow.v1.ReplayBuffer", "reflow.v1.Sandbox")
 
 
 def authorization_rows() -> list[tuple[str, str, str]]:
@@ -147,6 +154,8 @@ def authorization_rows() -> list[tuple[str, str, str]]:
                     else "names no job"
                 if name in GRANTING:
                     why += "; the scheduler's call (re)starts the job here"
+                if job and service in GRANTLESS:
+                    why += "; any job (this service keeps no grants)"
                 rows.append((f"{service.split('.')[-1]}.{method.name}", who, why))
     return rows
 

@@ -2,7 +2,7 @@
 
     reflow run CONFIG [--out DIR] [--dry-run] [--redis-appendfsync everysec|always]
                [--insecure-plaintext] [section.field=value ...]
-    reflow serve {api,scheduler,replay,rollout,trainer,worker} [--port P] [--insecure-no-auth]
+    reflow serve {api,scheduler,replay,rollout,trainer,worker,sandbox} [--port P] [--insecure-no-auth]
     reflow submit CONFIG [--url URL] [--token T] [--submission-id ID] [section.field=value ...]
     reflow jobs [JOB_ID] [--url URL] [--token T]
     reflow bench modes --out DIR [section.field=value ...]
@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-SERVICES = ("api", "scheduler", "replay", "rollout", "trainer", "worker")
+SERVICES = ("api", "scheduler", "replay", "rollout", "trainer", "worker", "sandbox")
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -51,6 +51,10 @@ def _load_spec(config: str, overrides: list[str], local_paths: bool = True):
 def cmd_run(args: argparse.Namespace) -> int:
     from reflow.core.config import dump_job_spec
 
+    if args.agents_dir:
+        # The operator's registry of agent programs, for the spec's check here and for
+        # every service of the run (they inherit this process's environment).
+        os.environ["REFLOW_AGENTS_DIR"] = str(Path(args.agents_dir).resolve())
     if args.resume:
         return _resume_run(args)
     if not args.config:
@@ -242,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gRPC between the run's services without TLS (as REFLOW_TLS=off): "
                      "for debugging only; by default each service has its own certificate "
                      "from a CA made for the run")
+    run.add_argument("--agents-dir", metavar="DIR",
+                     help="a directory of agent programs (`NAME.py`) the `agent` task may run "
+                     "by name (as REFLOW_AGENTS_DIR); a job spec names an agent, never a path")
     run.set_defaults(fn=cmd_run)
 
     serve = sub.add_parser("serve", help="run one service (what a container runs)")
@@ -288,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated seeds (default: the config's seed); with several, "
                      "every seed's runs and the spread over them")
     sim.add_argument("--out", required=True, help="the directory to write")
+    sim.add_argument("--tool-latency-from", metavar="JSON",
+                     help="take costs.tools' latency from a sandbox benchmark "
+                     "(bench/sandbox.py --out JSON): its trivial program's p50 and p99 at "
+                     "--tool-callers concurrent callers")
+    sim.add_argument("--tool-callers", type=int, default=1,
+                     help="the benchmark row --tool-latency-from reads (default 1: a sandbox "
+                     "fleet sized to its load; at 8 callers a replica of 2 cores queues)")
     sim.add_argument("overrides", nargs="*", metavar="section.field=value",
                      help="overrides of the config's job (an ablation: replay.replay_cap=0), "
                      "or of its own fields (samples_per_gpu=256, costs.train.utilisation=0.2)")

@@ -11,6 +11,11 @@ the job and ends every process it started, vLLM's engine included.
 The services speak mutual TLS, each with its role's certificate from a CA made
 for this launch (`<run_dir>/tls`, reflow.tlscerts); `--insecure-plaintext` (or
 REFLOW_TLS=off) turns TLS off for debugging, and says so.
+
+A job whose task runs code (its class declares `needs_sandbox = True`) gets a
+sandbox service too (reflow.sandbox), started first and stopped last: every
+process of the job finds it at REFLOW_SANDBOX_ADDRESS, and it hides the run's
+secret files from the programs it runs as reward processes do.
 """
 
 from __future__ import annotations
@@ -82,6 +87,51 @@ def _start(service: str, port: int, run_dir: Path, env: dict[str, str]):
 STOP_GRACE_S = 120.0
 
 
+def needs_sandbox(spec: JobSpec) -> bool:
+    """Whether the job's task runs code in the sandbox: its class says so with
+    `needs_sandbox = True` (default False)."""
+    from reflow.core import plugins
+
+    task = plugins.resolve("task", spec.task.name, "task.name")
+    return bool(getattr(task, "needs_sandbox", False))
+
+
+def start_sandbox(run_dir: Path, env: dict[str, str]):
+    """The run's sandbox service, on ports of its own, listed in endpoints.json
+    (and so in prometheus-targets.json); returns its process and address. `env`
+    is what every service of the run gets (REFLOW_SECRET_PATHS among it: what the
+    sandbox hides from its programs)."""
+    from reflow import procs
+    from reflow.scheduler.local import record_endpoints
+
+    port, metrics_port = procs.free_ports(2)
+    address = f"127.0.0.1:{port}"
+    record_endpoints(run_dir, {"sandbox": {"grpc": address,
+                                           "metrics": f"127.0.0.1:{metrics_port}"}})
+    proc = _start("sandbox", port, run_dir, {**env, "REFLOW_METRICS_PORT": str(metrics_port)})
+    return proc, address
+
+
+def wait_sandbox(proc, address: str, run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Until the sandbox answers healthy. RuntimeError quoting its log as soon as
+    it exits instead (it refuses to start where bubblewrap cannot run a program,
+    and says why), TimeoutError after `timeout_s`."""
+    from reflow import rpc
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rpc.wait_healthy(address, 1.0, role="sandbox")
+            return
+        except TimeoutError:
+            if proc.poll() is not None:
+                log = (run_dir / "logs" / "sandbox.log").read_text(errors="replace")
+                raise RuntimeError(f"the sandbox exited ({proc.returncode}) before it "
+                                   f"served: {log.strip()[-2000:]}") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
               appendfsync: str = "everysec", plaintext: bool = False) -> int:
     """Run `spec` as a whole local stack; with `resume_job_id`, continue that job of
@@ -97,6 +147,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     from reflow.scheduler.client import GrpcSchedulerClient
     from reflow.core.errors import FailedPrecondition, NotFound
     from reflow.scheduler.local import record_endpoints
+    from reflow.sandbox.client import ADDRESS_ENV as SANDBOX_ADDRESS_ENV
     from reflow.tasks.confine import SECRET_PATHS_ENV
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -138,13 +189,21 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         # model: `reflow run` trusts its own command line, not the network).
         models_root = os.environ.get(MODELS_ROOT_ENV) or str(Path(spec.model.path).parent)
         env = {RUNS_ROOT_ENV: str(run_dir.parent), MODELS_ROOT_ENV: models_root}
-        # What reward processes hide from themselves (reflow.tasks.confine): every
-        # role's TLS key, the API's token, and Redis's ACL and append-only files
-        # (which a Redis restarted by `supervise` would load, rewritten or not).
+        # What reward processes hide from themselves (reflow.tasks.confine), and the
+        # sandbox from its programs: every role's TLS key, the API's token, and
+        # Redis's ACL and append-only files (which a Redis restarted by `supervise`
+        # would load, rewritten or not).
         env[SECRET_PATHS_ENV] = os.pathsep.join(filter(None, [
             os.environ.get(SECRET_PATHS_ENV, ""),
             *(str(run_dir / name) for name in ("tls", "api-token", "redis"))]))
         redis_urls = {user: redis.url_for(user) for user in redis_acl.USER_NAMES}
+        sandbox = sandbox_proc = None
+        if needs_sandbox(spec):
+            sandbox_proc, sandbox = start_sandbox(run_dir, env)
+            started.append(sandbox_proc)
+            # Every service of the job inherits it from the scheduler: the rollout
+            # workers, and the AsyncHybrid workers that may become one.
+            env[SANDBOX_ADDRESS_ENV] = sandbox
         sched_port, api_port, sched_metrics, api_metrics = procs.free_ports(4)
         record_endpoints(run_dir, {
             "scheduler": {"grpc": f"127.0.0.1:{sched_port}", "metrics": f"127.0.0.1:{sched_metrics}"},
@@ -164,6 +223,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
                                "REFLOW_API_TOKEN_FILE": str(token_file),
                                **redis_acl.env_for("api", redis_urls)}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, role="scheduler")
+        if sandbox is not None:
+            wait_sandbox(sandbox_proc, sandbox, run_dir)
         api = f"http://127.0.0.1:{api_port}"
         wait_http(f"{api}/healthz", 60)
         headers = {"Authorization": f"Bearer {token}"}
@@ -227,7 +288,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     finally:
         # The API, then the scheduler, each alone first: the scheduler stops its job
         # in order (the trainer checkpoints the step it reached, the buffer goes
-        # last) before anything left is taken down.
+        # last) before anything left is taken down; the sandbox, which the job's
+        # rollout calls until it stops, after them.
         for proc in reversed(started):
             procs.stop_gracefully(proc, timeout_s=STOP_GRACE_S)
         if redis is not None:

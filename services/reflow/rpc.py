@@ -110,6 +110,11 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "SetRole": "a request for the role the worker has answers with its status",
         "GetRole": "a read",
     },
+    "reflow.v1.Sandbox": {
+        "Execute": "each execution runs in a fresh sandbox that keeps nothing: a program "
+                   "run twice changes nothing outside it",
+        "GetStats": "a read",
+    },
 }
 # The methods sent once, and why; a caller that wants a retry decides itself.
 NOT_RETRIED_METHODS: dict[str, dict[str, str]] = {

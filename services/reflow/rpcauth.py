@@ -27,7 +27,8 @@ replay buffer: its Configure at placement, or any of its calls naming a job
 that never ended there; kept in Redis so that it outlives a restart and every
 replica sees it); REVOKING calls end it there (the buffer's EndJob when the job
 reaches its end), and from then on the job's passes get NOT_FOUND, as for a job
-the server never ran, until the scheduler starts it there again.
+the server never ran, until the scheduler starts it there again. The sandbox
+keeps no such book (`EveryJob`): it serves any job whose pass verifies.
 
 Secrets are compared in constant time, as digests. Health checks
 (grpc.health.v1) need nothing: a kubelet probe holds no credential.
@@ -187,6 +188,34 @@ def service_env() -> dict[str, str]:
 
 
 # --- the server side --------------------------------------------------------
+
+
+class EveryJob:
+    """The grants of a server that keeps no book of jobs: every job counts as
+    granted, so a call is served when the pass it carries verifies (the
+    scheduler's signature, unexpired, its job the one the request names, its
+    role one JOB_CALLERS takes for the method). The sandbox's: it runs a
+    program and forgets it, holds nothing of any job that a pass of another
+    could reach, and no scheduler call starts or ends jobs there. Nothing is
+    kept, so a grant or a revocation changes nothing and no pass is held."""
+
+    def grant(self, job_id: str, token: str) -> None:
+        pass
+
+    def grant_unless_ended(self, job_id: str) -> None:
+        pass
+
+    def token(self, job_id: str) -> str:
+        return ""
+
+    def granted(self, job_id: str) -> bool:
+        return True
+
+    def revoke(self, job_id: str) -> None:
+        pass
+
+
+EVERY_JOB = EveryJob()
 
 
 def _refusal(code: grpc.StatusCode, details: str):

@@ -15,7 +15,9 @@ API refuses to start unless given --insecure-no-auth), REFLOW_REDIS_APPENDFSYNC
 REFLOW_METRICS_PORT (Prometheus /metrics of every service),
 REFLOW_GRPC_CREDENTIAL(_FILE), the signing key of the scheduler or the API
 (REFLOW_{SCHEDULER,API}_SIGNING_KEY(_FILE)) and the public keys it verifies by
-(REFLOW_{SCHEDULER,API}_PUBLIC_KEY(_FILE)), REFLOW_TLS and REFLOW_TLS_* (see reflow.tlscerts).
+(REFLOW_{SCHEDULER,API}_PUBLIC_KEY(_FILE)), REFLOW_TLS and REFLOW_TLS_* (see reflow.tlscerts),
+REFLOW_SANDBOX_* (sandbox: reflow.sandbox.service.SandboxSettings) and
+REFLOW_SECRET_PATHS (sandbox, and reward processes: files hidden from the code they run).
 """
 
 from __future__ import annotations
@@ -150,6 +152,20 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
         shutdown = core.shutdown
     elif name == "worker":
         server, shutdown = _serve_worker(address)
+    elif name == "sandbox":
+        from reflow.sandbox.server import serve
+        from reflow.sandbox.service import SandboxService, SandboxSettings
+
+        try:
+            settings = SandboxSettings.from_env()
+            core = SandboxService(settings)
+        except (ValueError, RuntimeError) as err:
+            # A bad REFLOW_SANDBOX_* value, or a machine where bubblewrap cannot run
+            # a program: said once, before serving anything.
+            raise SystemExit(f"sandbox: {err}") from None
+        _start_metrics_server(core.metrics.registry)
+        server, _ = serve(core, address)
+        shutdown = core.close
     elif name == "scheduler":
         from reflow import redisconn
         from reflow.scheduler.jobs import JobStore

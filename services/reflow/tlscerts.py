@@ -6,7 +6,8 @@ Identities. A deployment (one `reflow run`, one Helm release) has a CA of its
 own, and each role one certificate from it, server and client at once, that
 names the role in its subjectAltName as `<role>.reflow.internal`:
 
-    api, scheduler, replay, rollout, trainer   their own name
+    api, scheduler, replay, rollout, trainer,  their own name
+    sandbox
     worker                                     worker, rollout and trainer: an
                                                AsyncHybrid worker serves the
                                                Rollout, Trainer and Worker
@@ -70,6 +71,8 @@ SERVES: dict[str, tuple[str, ...]] = {
     "api": ("api",), "scheduler": ("scheduler",), "replay": ("replay",),
     "rollout": ("rollout",), "trainer": ("trainer",),
     "worker": ("worker", "rollout", "trainer"),
+    # Rollout workers dial it as "sandbox" (reflow.sandbox.grpc_client).
+    "sandbox": ("sandbox",),
 }
 ROLES = tuple(SERVES)
 # The roles that start other services locally, and so are handed the run's

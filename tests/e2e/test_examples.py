@@ -107,3 +107,28 @@ def test_the_multi_turn_examples_play_episodes(example, tiny_model, tmp_path):
         assert turns >= episodes
     # Observation tokens are not trained: fewer loss tokens than generated and observed.
     assert all(r["trained_tokens"] > 0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["python_tool.yaml", "code_tests.yaml", "coding_agent.yaml"])
+def test_the_code_examples_play_episodes_beside_a_sandbox(example, tiny_model, tmp_path):
+    """The plumbing: `reflow run` starts the sandbox and the episodes play. A tiny
+    random model writes no code block, so programs are judged in
+    tests/unit/test_code_tasks.py (scripted turns, the real sandbox)."""
+    if example == "python_tool.yaml":
+        export_gym("basic_arithmetic", Path(os.environ["REFLOW_DATASETS_DIR"])
+                   / "arithmetic.jsonl", 200, ARITHMETIC)
+    turns = [] if example == "code_tests.yaml" else ["task.args.max_turns=2"]
+    out = tmp_path / "run"
+    records, counters = run_example(example, out, [
+        *SMALL, f"model.path={tiny_model}", "trainer.batch_size=8", "rollout.group_size=4",
+        "rollout.max_tokens=12", "task.args.max_episode_tokens=160", "eval.interval=0",
+        *turns])
+    # `reflow run` started the sandbox the task asks for.
+    assert "sandbox" in json.loads((out / "endpoints.json").read_text())
+    assert len(records) == 2 and all(r["trained_tokens"] > 0 for r in records)
+    # The episodes of the first batch at least, each of one turn or more, and none
+    # whose environment failed.
+    episodes = counters["reflow_rollout_episodes_total"]
+    assert episodes >= 8 and counters["reflow_rollout_episode_turns_total"] >= episodes
+    assert counters.get("reflow_rollout_reward_errors_total", 0) == 0

@@ -79,11 +79,14 @@ def test_pods_run_non_root_without_capabilities_under_runtime_default_seccomp():
     docs, _ = render({})
     specs = dict(pod_specs(docs))
     assert set(specs) == {"rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay",
-                          "rl-reflow-redis", "rl-reflow-worker"}
+                          "rl-reflow-redis", "rl-reflow-worker", "rl-reflow-sandbox"}
     for name, spec in specs.items():
         pod = spec["securityContext"]
         assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
-        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        # The sandbox's bubblewrap creates namespaces, which RuntimeDefault refuses
+        # (values.yaml `sandbox.seccompProfile`); every other pod keeps it.
+        seccomp = "Unconfined" if name == "rl-reflow-sandbox" else "RuntimeDefault"
+        assert pod["seccompProfile"] == {"type": seccomp}, name
         for container in spec["containers"]:
             ctx = container["securityContext"]
             assert ctx["capabilities"] == {"drop": ["ALL"]}, name
@@ -96,7 +99,8 @@ def test_pods_run_non_root_without_capabilities_under_runtime_default_seccomp():
 def test_probes_grpc_health_and_a_startup_window_for_model_loading():
     docs, _ = render({})
     specs = dict(pod_specs(docs))
-    for name in ("rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker"):
+    for name in ("rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker",
+                 "rl-reflow-sandbox"):
         c = specs[name]["containers"][0]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert "grpc" in c[probe], (name, probe)
@@ -285,13 +289,16 @@ def test_opt_in_servicemonitor_and_dashboards_for_the_sidecar():
     metrics_services = [s for s in by_kind(docs, "Service").values()
                         if s["metadata"]["labels"].get("reflow.io/metrics") == "true"]
     assert {s["metadata"]["name"] for s in metrics_services} == {
-        "rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker"}
+        "rl-reflow-api", "rl-reflow-scheduler", "rl-reflow-replay", "rl-reflow-worker",
+        "rl-reflow-sandbox"}
     for service in metrics_services:
         assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
     # One policy per role (the matrix itself: test_chart_network.py).
     assert set(by_kind(docs, "NetworkPolicy")) == {
-        f"rl-reflow-{role}" for role in ("api", "scheduler", "replay", "worker", "redis")}
-    assert set(by_kind(docs, "PodDisruptionBudget")) == {"rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker"}
+        f"rl-reflow-{role}" for role in ("api", "scheduler", "replay", "worker", "sandbox",
+                                         "redis")}
+    assert set(by_kind(docs, "PodDisruptionBudget")) == {
+        "rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker", "rl-reflow-sandbox"}
 
     dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
     assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
@@ -354,6 +361,7 @@ def test_grpc_secrets_reach_each_service_and_each_signing_key_only_its_role():
         "api": {"credential", "api-signing-key", "scheduler-public-key"},
         "replay": {"credential", "scheduler-public-key"},
         "worker": {"credential", "scheduler-public-key"},
+        "sandbox": {"credential", "scheduler-public-key"},
     }
     seen = set()
     for name, spec in pod_specs(docs):
@@ -393,3 +401,64 @@ def test_an_existing_grpc_secret_is_referenced_never_rendered_and_upgrades_keep_
     again, _ = render(values)
     kept = lambda rendered: yaml.safe_dump_all([d for d in rendered if d["kind"] != "Secret"])  # noqa: E731
     assert kept(again) == kept(docs)
+
+
+def test_the_sandbox_serves_the_workers_and_bends_only_seccomp():
+    docs, _ = render({})
+    specs = dict(pod_specs(docs))
+    sandbox = specs["rl-reflow-sandbox"]
+    container = sandbox["containers"][0]
+    assert container["args"][:2] == ["serve", "sandbox"] and container["image"].endswith("-cpu")
+    # Namespaces need no capability and no privilege: the seccomp profile differs, and
+    # /proc is unmasked (a fresh one per program), in a user namespace of the pod's own.
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]},
+                                            "procMount": "Unmasked"}
+    assert sandbox["hostUsers"] is False
+    assert "runtimeClassName" not in sandbox and sandbox["enableServiceLinks"] is False
+    service = by_kind(docs, "Service")["rl-reflow-sandbox"]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 50080,
+                                                                         "metrics": 9090}
+    worker = _env(specs["rl-reflow-worker"]["containers"][0])
+    assert worker["REFLOW_SANDBOX_ADDRESS"]["value"] == "rl-reflow-sandbox:50080"
+    for name, spec in specs.items():  # the workers' alone
+        if name != "rl-reflow-worker":
+            assert "REFLOW_SANDBOX_ADDRESS" not in _env(spec["containers"][0]), name
+
+    # Hardened: a profile of the node's and gVisor; its settings as its variables.
+    docs, _ = render({"sandbox": {
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/sandbox.json"},
+        "runtimeClassName": "gvisor", "replicas": 3,
+        "settings": {"REFLOW_SANDBOX_MAX_CONCURRENT": 8}}})
+    deployment = by_kind(docs, "Deployment")["rl-reflow-sandbox"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert deployment["spec"]["replicas"] == 3 and spec["runtimeClassName"] == "gvisor"
+    assert spec["securityContext"]["seccompProfile"] == {
+        "type": "Localhost", "localhostProfile": "profiles/sandbox.json"}
+    assert spec["securityContext"]["runAsUser"] == 10001
+    assert _env(spec["containers"][0])["REFLOW_SANDBOX_MAX_CONCURRENT"]["value"] == "8"
+    # The settings the chart takes are the service's (a typo fails the install, not
+    # the pod's start).
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    names = schema["properties"]["sandbox"]["properties"]["settings"]["propertyNames"]["enum"]
+    sys.path.insert(0, str(REPO / "services"))
+    from reflow.sandbox.service import ENV_PREFIX, SandboxSettings
+
+    assert set(names) == {ENV_PREFIX + f.upper() for f in SandboxSettings.model_fields}
+    with helm.Chart.load(str(CHART)) as chart:
+        for bad, named in (({"sandbox": {"settings": {"REDIS_URL": "x"}}}, "REDIS_URL"),
+                           ({"sandbox": {"settings": {"REFLOW_SANDBOX_MAX_CONCURENT": 8}}},
+                            "REFLOW_SANDBOX_MAX_CONCURENT"),
+                           ({"sandbox": {"seccompProfile": {"type": "Localhost"}}},
+                            "localhostProfile"),
+                           ({"sandbox": {"replicas": 0}}, "/sandbox/replicas")):
+            with pytest.raises(Exception, match=named):
+                chart.validate_schema(bad)
+
+    # Off: no sandbox object, and the workers get no address.
+    docs, _ = render({"sandbox": {"enabled": False}})
+    assert not [d for d in docs if "sandbox" in d["metadata"]["name"]
+                and d["kind"] != "Secret"]
+    worker = dict(pod_specs(docs))["rl-reflow-worker"]["containers"][0]
+    assert "REFLOW_SANDBOX_ADDRESS" not in _env(worker)

@@ -25,7 +25,7 @@ import yaml
 from tests.unit.test_chart import CHART, by_kind, render
 
 NAMESPACE = "ml"
-ROLES = ("api", "scheduler", "replay", "worker", "redis")
+ROLES = ("api", "scheduler", "replay", "worker", "sandbox", "redis")
 RELEASE_LABELS = {"app.kubernetes.io/name": "reflow", "app.kubernetes.io/instance": "rl"}
 
 
@@ -197,6 +197,9 @@ def intended(pods: dict[str, Endpoint], src: str, dst: str, port: int, protocol:
     replay, worker = port_of(pods, "replay", "grpc"), port_of(pods, "worker", "grpc")
     metrics = port_of(pods, "api", "metrics")
     redis = port_of(pods, "redis", "redis") if "redis" in pods else None
+    sandbox = port_of(pods, "sandbox", "grpc") if "sandbox" in pods else None
+    if src == "sandbox" and direction == "Egress":
+        return False  # it opens no connection, DNS included
     if protocol == "UDP":
         return direction == "Egress" and dst == "dns" and port == 53
     if src == "worker" and dst == "worker":
@@ -208,6 +211,7 @@ def intended(pods: dict[str, Endpoint], src: str, dst: str, port: int, protocol:
         ("scheduler", "worker"): {worker},
         ("scheduler", "redis"): {redis},
         ("replay", "redis"): {redis},
+        ("worker", "sandbox"): {sandbox},
     }
     if port in allowed.get((src, dst), ()):
         return True
@@ -335,15 +339,25 @@ def test_the_named_denials_and_dns():
     assert not connects(policies, out["other-release"], pods["worker"], EPHEMERAL)
     assert not connects(policies, pods["worker"], out["other-release"], EPHEMERAL)
     for role in ROLES:
-        assert connects(policies, pods[role], out["dns"], 53, "UDP")
-        assert connects(policies, pods[role], out["dns"], 53, "TCP")
+        resolves = role != "sandbox"
+        assert connects(policies, pods[role], out["dns"], 53, "UDP") is resolves, role
+        assert connects(policies, pods[role], out["dns"], 53, "TCP") is resolves, role
         assert not connects(policies, pods[role], out["dns-elsewhere"], 53, "UDP")
         assert not connects(policies, pods[role], out["internet"], 80)
-    for role in ("api", "replay", "worker", "redis"):
+    for role in ("api", "replay", "worker", "sandbox", "redis"):
         assert not connects(policies, pods[role], out["internet"], 443)
         assert not connects(policies, pods[role], out["kube-api"], 6443)
     assert connects(policies, pods["scheduler"], out["kube-api"], 6443)
     assert connects(policies, pods["worker"], pods["worker"], EPHEMERAL)
+    # The sandbox: the workers in on its gRPC port, nothing out.
+    assert connects(policies, pods["worker"], pods["sandbox"], ports["sandbox"]["grpc"])
+    for role in ("api", "scheduler", "replay", "redis"):
+        assert not connects(policies, pods[role], pods["sandbox"], ports["sandbox"]["grpc"])
+    for role in ROLES:
+        for port in (ports["sandbox"]["grpc"], EPHEMERAL, 6379, 53):
+            assert not connects(policies, pods["sandbox"], pods[role], port), role
+    assert not connects(policies, out["stranger"], pods["sandbox"], ports["sandbox"]["grpc"])
+    assert not connects(policies, pods["worker"], pods["sandbox"], EPHEMERAL)
 
 
 def test_narrowing_the_kubernetes_api_denies_the_scheduler_every_other_address():
@@ -399,10 +413,20 @@ def test_extra_egress_opens_only_what_it_names(scope):
     policies = list(by_kind(docs, "NetworkPolicy").values())
     pods, out = release_pods(docs), outsiders()
     for role in ROLES:
-        expected = scope == "all" or role == "worker"
+        # The sandbox opens nothing, extra rules for every pod included.
+        expected = (scope == "all" and role != "sandbox") or role == "worker"
         assert connects(policies, pods[role], out["internet"], 9000) is expected, role
         assert connects(policies, pods[role], out["internet"], 80) is False, role
         assert connects(policies, pods[role], out["other-ns"], 9000) is False, role
+
+
+def test_without_the_sandbox_the_workers_reach_no_sandbox_port():
+    docs, _ = render({"sandbox": {"enabled": False}})
+    assert "rl-reflow-sandbox" not in by_kind(docs, "NetworkPolicy")
+    worker = by_kind(docs, "NetworkPolicy")["rl-reflow-worker"]
+    assert "sandbox" not in yaml.safe_dump(worker["spec"]["egress"])
+    assert "sandbox" not in release_pods(docs)
+    check_matrix(docs)
 
 
 def test_disabled_renders_no_policy():

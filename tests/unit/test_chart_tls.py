@@ -15,7 +15,8 @@ from tests.unit.test_chart import CHART, REPO, by_kind, pod_specs, render  # noq
 
 # Pod (Deployment or StatefulSet) -> the role whose certificate it holds.
 POD_ROLES = {"rl-reflow-api": "api", "rl-reflow-scheduler": "scheduler",
-             "rl-reflow-replay": "replay", "rl-reflow-worker": "worker"}
+             "rl-reflow-replay": "replay", "rl-reflow-worker": "worker",
+             "rl-reflow-sandbox": "sandbox"}
 MOUNT = "/var/run/secrets/reflow/tls"
 
 

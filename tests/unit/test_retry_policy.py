@@ -23,10 +23,11 @@ from reflow.v1 import (
     scheduler_pb2_grpc,
     trainer_pb2,
     worker_pb2,
+    sandbox_pb2,
 )
 
 STATUS_CODES = {code.name for code in grpc.StatusCode}
-GENERATED = (replay_pb2, rollout_pb2, trainer_pb2, scheduler_pb2, worker_pb2)
+GENERATED = (replay_pb2, rollout_pb2, trainer_pb2, scheduler_pb2, worker_pb2, sandbox_pb2)
 
 
 def every_method() -> set[tuple[str, str]]:

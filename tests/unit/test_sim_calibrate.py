@@ -1,13 +1,17 @@
 """The cost model fitted to measurements (reflow/sim/calibrate.py): each fit gives
 back what it was fitted to, and refuses what it cannot fit."""
 
+import math
 import random
+from pathlib import Path
 
 import pytest
 
 from reflow.sim import calibrate
 from reflow.trainer.loop import TrainLoop
 from reflow.trainer.records import _length_quantiles, engine_step_fields
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_least_squares_recovers_a_line_and_refuses_one_point():
@@ -115,3 +119,60 @@ def test_the_rollout_delta_sums_the_generating_engines_and_restarts_a_replaced_o
            "c": (False, later)}  # standing by: not generating now
     assert TrainLoop._rollout_delta(before, now) == [
         x + x / 2 for x in totals] + [2.0]
+
+
+def _sandbox_bench(p50_ms: float, p99_ms: float) -> dict:
+    rows = [{"program": program, "callers": callers, "path": path, "p50_ms": p50_ms * k,
+             "p99_ms": p99_ms * k}
+            for program, k in (("print(1)", 1), ("time.sleep(1)", 50))
+            for callers in (1, 8, 32) for path in ("local", "grpc")]
+    rows[0]["p50_ms"] = 1.0  # another row: the one asked for must be picked
+    return {"rows": rows}
+
+
+def test_tool_cost_puts_the_median_and_p99_where_the_sandbox_benchmark_measured_them():
+    from reflow.sim.costs import ToolCost
+
+    base = ToolCost(turns=3, output_tokens=64)
+    tools = calibrate.tool_cost(_sandbox_bench(20.0, 60.0), base, callers=8)
+    assert tools.latency_median_s == pytest.approx(0.020)
+    # exp(z99 * sigma) = p99 / p50 = 3, and the rest of the section is kept.
+    assert tools.latency_sigma == pytest.approx(math.log(3.0) / 2.3263478740408408)
+    assert (tools.turns, tools.output_tokens) == (3, 64)
+    draws = sorted(tools.latency_s(random.Random(k)) for k in range(20_000))
+    assert draws[len(draws) // 2] == pytest.approx(0.020, rel=0.05)
+    assert draws[int(0.99 * len(draws))] == pytest.approx(0.060, rel=0.1)
+    # Only a local path measured: that one.
+    local = {"rows": [r for r in _sandbox_bench(20.0, 20.0)["rows"] if r["path"] == "local"]}
+    assert calibrate.tool_cost(local, base, callers=32).latency_sigma == 0.0
+
+
+def test_tool_cost_refuses_what_is_not_a_sandbox_benchmark_row():
+    from reflow.sim.costs import ToolCost
+
+    with pytest.raises(ValueError, match="no `rows`"):
+        calibrate.tool_cost({"seeds": []}, ToolCost())
+    with pytest.raises(ValueError, match="no row for program 'print\\(1\\)' at 4 callers"):
+        calibrate.tool_cost(_sandbox_bench(20.0, 60.0), ToolCost(), callers=4)
+
+
+def test_reflow_sim_takes_the_tool_latency_from_a_benchmark_file(tmp_path, capsys):
+    import json
+
+    from reflow.sim.command import load_config, with_tool_latency
+
+    bench = tmp_path / "sandbox.json"
+    bench.write_text(json.dumps(_sandbox_bench(12.0, 36.0)))
+    config = with_tool_latency(load_config(REPO / "examples" / "sim" / "python_tool.yaml"),
+                               str(bench), 8)
+    # The example's own figures are the committed benchmark's, at one caller.
+    example = load_config(REPO / "examples" / "sim" / "python_tool.yaml").costs.tools
+    measured = calibrate.tool_cost(json.loads((REPO / "bench" / "out" / "sandbox.json")
+                                              .read_text()), example)
+    assert example.latency_median_s == pytest.approx(measured.latency_median_s, abs=5e-5)
+    assert example.latency_sigma == pytest.approx(measured.latency_sigma, abs=5e-3)
+    assert config.costs.tools.latency_median_s == pytest.approx(0.012)
+    assert config.costs.tools.turns == 3
+    assert "median 12.0 ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--tool-latency-from: .*no row"):
+        with_tool_latency(config, str(bench), 5)

@@ -118,6 +118,7 @@ users of _redis_acl.tpl): the Secret's key of that user alone. */}}
 {{- define "reflow.schedulerPort" -}}50051{{- end -}}
 {{- define "reflow.replayPort" -}}50052{{- end -}}
 {{- define "reflow.workerPort" -}}50060{{- end -}}
+{{- define "reflow.sandboxPort" -}}50080{{- end -}}
 {{- define "reflow.apiPort" -}}8000{{- end -}}
 
 {{/* gRPC auth (reflow.rpcauth) and TLS */}}
@@ -133,6 +134,7 @@ api: [api.reflow.internal]
 scheduler: [scheduler.reflow.internal]
 replay: [replay.reflow.internal]
 worker: [worker.reflow.internal, rollout.reflow.internal, trainer.reflow.internal]
+sandbox: [sandbox.reflow.internal]
 {{- end -}}
 
 {{/* Each role's certificate is the Secret `<prefix>-<role>`. */}}

@@ -71,6 +71,10 @@ BUILTINS: dict[str, dict[str, str]] = {
         "reasoning_gym": "reflow.tasks.gym:ReasoningGymTask",
         "guess_number": "reflow.tasks.games:GuessNumberTask",
         "calculator": "reflow.tasks.calculator:CalculatorTask",
+        "python_tool": "reflow.tasks.python_tool:PythonToolTask",
+        "code_tests": "reflow.tasks.code_tests:CodeTestsTask",
+        "coding_agent": "reflow.tasks.coding_agent:CodingAgentTask",
+        "agent": "reflow.tasks.agent:AgentTask",
     },
     "policy_loss": {
         "grpo": "reflow.algorithms.losses:GRPOLoss",

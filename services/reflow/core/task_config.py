@@ -45,8 +45,11 @@ class TaskConfig(_Section):
     name: str = Field(
         default="repeat", min_length=1, max_length=128,
         description="A registered task: the built-ins repeat, math, reasoning_gym, "
-        "guess_number (multi-turn), calculator (multi-turn, tool calls), or an entry point "
-        "in group reflow.tasks that the operator installed.",
+        "guess_number (multi-turn), calculator (multi-turn, tool calls), python_tool "
+        "(multi-turn, code run in the sandbox), code_tests (programs scored by unit tests in "
+        "the sandbox), coding_agent (multi-turn: revise against visible tests, scored by "
+        "hidden ones), agent (an agent program through the worker's OpenAI-compatible "
+        "endpoint), or an entry point in group reflow.tasks that the operator installed.",
     )
     args: PluginArgs = Field(
         default_factory=dict,

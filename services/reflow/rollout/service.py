@@ -132,7 +132,7 @@ class RolloutService:
                 str(model_path), local_files_only=True)
             self._replay = self._replay_client_factory(replay_address)
             seed = worker_seed(spec, weight_sync_rank)
-            task = build_task(spec, self.roots.datasets)
+            task = build_task(spec, self.roots.datasets, job_id)
             encode, renderer = prompt_encoder(task, tokenizer)
             self._close_rewards()
             episodes = None

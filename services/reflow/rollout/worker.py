@@ -79,6 +79,11 @@ class RolloutWorker(WeightSyncMixin):
         self.encode = encode
         self.decode = decode
         self.score = score or score_inline(task)
+        if isinstance(episodes, EpisodeRunner) and getattr(task, "agent", False) is True:
+            # An agent task's episodes are its agent program's (rollout/agent_episode.py).
+            from reflow.rollout.agent_episode import AgentRunner
+
+            episodes = AgentRunner(task, episodes.renderer, spec)
         self.episodes = episodes
         self.scoring = GroupScoring(spec.algorithm)
         self.reward_errors = ErrorWindow(spec.task.max_reward_error_rate,
@@ -171,6 +176,8 @@ class RolloutWorker(WeightSyncMixin):
             logger.exception("rollout stop")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
+        if hasattr(self.episodes, "close"):
+            self.episodes.close()  # an agent runner's reward processes
         if self.state in ("running", "starting"):
             self.state = "stopped"
 

@@ -17,14 +17,18 @@ sim/costs.py:
 - `length_model`: the response length's quantile function through the
   batches' median p10, p50, p90 and longest lengths (`response_len_*` of the
   records), capped at the job's max_tokens;
-- `sync_cost`: the weight sync's measured seconds a step, as the fixed cost.
+- `sync_cost`: the weight sync's measured seconds a step, as the fixed cost;
+- `tool_cost`: a tool call's latency, lognormal through the sandbox benchmark's
+  p50 and p99 of one program at one number of concurrent callers
+  (bench/sandbox.py's JSON): `reflow sim --tool-latency-from`.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
-from reflow.sim.costs import DecodeCost, LengthModel, SyncCost, TrainCost
+from reflow.sim.costs import DecodeCost, LengthModel, SyncCost, ToolCost, TrainCost
 
 def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept, slope) of y on x; ValueError when x does not vary."""
@@ -124,3 +128,33 @@ def sync_cost(records: list[dict]) -> SyncCost:
                                 for r in records)
     return SyncCost(weight_bytes=1.0, bandwidth_bytes_per_s=1e12, overhead_s=seconds,
                     colocate_switch_s=0.0)
+
+
+# The standard normal's 0.99 quantile: p99 = median * exp(Z99 * sigma).
+Z99 = 2.3263478740408408
+
+
+def tool_cost(bench: dict, base: ToolCost, program: str = "print(1)", callers: int = 1,
+              path: str = "grpc") -> ToolCost:
+    """`base` with its latency taken from a sandbox benchmark (bench/sandbox.py's
+    JSON): the median is the row's p50 and sigma puts the p99 where the row
+    measured it. The row is the program's at `callers` concurrent callers through
+    `path` (grpc, else local when the run measured no gRPC). ValueError naming
+    what is missing."""
+    rows = bench.get("rows") if isinstance(bench, dict) else None
+    if not rows:
+        raise ValueError("not a sandbox benchmark's output: no `rows` (bench/sandbox.py --out)")
+    paths = {r.get("path") for r in rows}
+    if path not in paths:
+        path = "local" if "local" in paths else path
+    match = [r for r in rows if r.get("program") == program and r.get("callers") == callers
+             and r.get("path") == path]
+    if not match:
+        have = sorted({(r.get("program"), r.get("callers")) for r in rows}, key=str)
+        raise ValueError(f"the sandbox benchmark has no row for program {program!r} at "
+                         f"{callers} callers ({path}); it has {have}")
+    p50, p99 = match[0]["p50_ms"] / 1000.0, match[0]["p99_ms"] / 1000.0
+    if not p50 > 0:
+        raise ValueError(f"p50 of {program!r} at {callers} callers is {p50}: nothing to fit")
+    sigma = max(0.0, math.log(max(p99, p50) / p50) / Z99)
+    return base.model_copy(update={"latency_median_s": p50, "latency_sigma": sigma})

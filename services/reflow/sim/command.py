@@ -152,8 +152,25 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def with_tool_latency(config: SimConfig, bench_path: str, callers: int) -> SimConfig:
+    """`config` with costs.tools' latency from a sandbox benchmark's JSON
+    (reflow.sim.calibrate.tool_cost); SystemExit naming the flag otherwise."""
+    from reflow.sim.calibrate import tool_cost
+
+    try:
+        bench = json.loads(Path(bench_path).read_text())
+        tools = tool_cost(bench, config.costs.tools, callers=callers)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--tool-latency-from: {err}") from None
+    print(f"tool latency from {bench_path} ({callers} callers): median "
+          f"{tools.latency_median_s * 1000:.1f} ms, sigma {tools.latency_sigma:.2f}")
+    return config.model_copy(update={"costs": config.costs.model_copy(update={"tools": tools})})
+
+
 def main(args) -> int:
     config = load_config(Path(args.config), getattr(args, "overrides", None))
+    if getattr(args, "tool_latency_from", None):
+        config = with_tool_latency(config, args.tool_latency_from, args.tool_callers)
     gpus = [int(g) for g in args.gpus.split(",") if g]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]

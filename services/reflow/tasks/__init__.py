@@ -1,8 +1,10 @@
 """Tasks: where prompts come from and how responses are scored (paper §4.1
 steps 1-2), resolved by registered name like samplers and filters
 (reflow.core.plugins): the built-ins `repeat`, `math`, `reasoning_gym`,
-`guess_number` and `calculator`, plus entry points in group `reflow.tasks`
-that the operator installs. A job spec names a task and gives its `task.args`,
+`guess_number`, `calculator`, the sandboxed-code tasks `python_tool`,
+`code_tests` and `coding_agent` (reflow.sandbox runs their programs) and
+`agent` (an agent program as the environment), plus entry points in group
+`reflow.tasks` that the operator installs. A job spec names a task and gives its `task.args`,
 validated against the task's own `Args` model; it never names code.
 
 A task is built with its arguments and a `TaskContext` (the job's task seed and
@@ -32,14 +34,14 @@ def _resolve(name: str) -> type:
     return cls
 
 
-def task_context(spec, datasets_root: str | Path | None = None) -> TaskContext:
+def task_context(spec, datasets_root: str | Path | None = None, job_id: str = "") -> TaskContext:
     """The context every service builds the job's task with: the same seed
-    everywhere (a dataset's split and order depend on it), and this service's
-    datasets root."""
+    everywhere (a dataset's split and order depend on it), this service's
+    datasets root, and the job's id where the service knows it."""
     from reflow.core.paths import datasets_root as default_root
 
     return TaskContext(seed=spec.seed + 1,
-                       datasets_root=Path(datasets_root or default_root()))
+                       datasets_root=Path(datasets_root or default_root()), job_id=job_id)
 
 
 def build_task_by_name(name: str, args: dict[str, Any] | None, context: TaskContext) -> Any:
@@ -48,9 +50,10 @@ def build_task_by_name(name: str, args: dict[str, Any] | None, context: TaskCont
                          context=context)
 
 
-def build_task(spec, datasets_root: str | Path | None = None) -> Any:
+def build_task(spec, datasets_root: str | Path | None = None, job_id: str = "") -> Any:
     """The job's task, from `spec.task`."""
-    return build_task_by_name(spec.task.name, spec.task.args, task_context(spec, datasets_root))
+    return build_task_by_name(spec.task.name, spec.task.args,
+                              task_context(spec, datasets_root, job_id))
 
 
 def check_task(spec, datasets_root: str | Path | None = None) -> None:

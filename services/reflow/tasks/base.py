@@ -38,6 +38,9 @@ class TaskContext:
 
     seed: int = 0
     datasets_root: Path = Path(".reflow/datasets")
+    # The job the task is built for, where a service knows it (the rollout worker):
+    # calls a task makes to other services (the sandbox) name it, with the job's pass.
+    job_id: str = ""
 
 
 class Task(Protocol):

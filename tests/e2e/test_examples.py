@@ -132,3 +132,29 @@ def test_the_code_examples_play_episodes_beside_a_sandbox(example, tiny_model, t
     episodes = counters["reflow_rollout_episodes_total"]
     assert episodes >= 8 and counters["reflow_rollout_episode_turns_total"] >= episodes
     assert counters.get("reflow_rollout_reward_errors_total", 0) == 0
+
+
+@pytest.mark.slow
+def test_the_openai_agent_example_trains_smollm2_through_the_worker_s_endpoint(smollm2_model,
+                                                                               tmp_path):
+    """The agent example as a user runs it, its agent registered with --agents-dir:
+    every episode is the agent script's calls through the rollout worker's endpoint
+    (tests/integration/test_agent_episode.py pins the tokens, log-probs and masks).
+    On SmolLM2, whose chat template renders its own turns back as it sampled them:
+    the tiny model's character tokenizer decodes with spaces between characters, so
+    its turns never round-trip and every call would be refused, as it should be."""
+    export_gym("basic_arithmetic", Path(os.environ["REFLOW_DATASETS_DIR"]) / "arithmetic.jsonl",
+               200, ARITHMETIC)
+    records, counters = run_example("openai_agent.yaml", tmp_path / "run", [
+        "trainer.num_steps=1", "rollout.kv_cache_gb=0.25", "trainer.batch_size=8",
+        "rollout.group_size=4", "rollout.max_tokens=32", "eval.interval=0", "--agents-dir",
+        str(REPO / "examples" / "agents")])
+    assert len(records) == 1 and records[0]["trained_tokens"] > 0
+    # One episode a sample, each of one call or two (the script asks again when the
+    # reply has no \boxed{}), and none refused or failed.
+    episodes = counters["reflow_rollout_episodes_total"]
+    assert episodes >= 8
+    assert episodes <= counters["reflow_rollout_episode_turns_total"] <= 2 * episodes
+    # None trained was refused or failed. (The worker's counters also hold the agents
+    # that the run's end stopped mid-episode, never trained.)
+    assert records[0]["reward_error_samples"] == 0

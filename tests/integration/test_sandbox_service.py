@@ -286,3 +286,40 @@ def test_a_sandbox_that_cannot_start_says_why_at_once(tmp_path):
             launcher.wait_sandbox(proc, address, run_dir, timeout_s=60)
     finally:
         procs.stop_gracefully(proc, timeout_s=5)
+
+
+def test_a_task_s_environment_reaches_the_sandbox_over_grpc_with_the_worker_s_pass(
+        sandbox, as_rollout, tmp_path, monkeypatch):
+    """What a rollout worker does in a job: the task is built with its job id
+    (TaskContext.job_id), its environment takes the process's sandbox client from
+    REFLOW_SANDBOX_ADDRESS, and each code run names the job with the worker's
+    rollout pass from its book."""
+    from reflow.sandbox import client as sandbox_client
+    from reflow.tasks import TaskContext
+    from reflow.tasks.python_tool import PythonToolTask
+
+    address, service = sandbox
+    (tmp_path / "sums.jsonl").write_text(json.dumps({"question": "What is 6 * 7?",
+                                                     "answer": "42"}) + "\n")
+    monkeypatch.setenv(sandbox_client.ADDRESS_ENV, address)
+    previous = sandbox_client.set_default_client(None)
+    before = sum(service.stats().executions_total.values())
+    try:
+        task = PythonToolTask(context=TaskContext(datasets_root=tmp_path, job_id=JOB),
+                              path="sums.jsonl", eval_fraction=0.0)
+        env = task.environment(next(task.prompts()))
+        env.reset()
+        ran = env.step("Let me compute.\n```python\nprint(6 * 7, 'from', __name__)\n```")
+        assert isinstance(sandbox_client.default_client(), GrpcSandboxClient)
+        assert "42 from __main__" in ran.observation and ran.tool_calls == 1
+        assert ran.info["status"] == OK and not ran.done
+        done = env.step("The answer is \\boxed{42}.")
+        assert done.done and done.reward == 1.0
+        assert sum(service.stats().executions_total.values()) == before + 1
+        # Without a job id (a task built where none is known) nothing is sent.
+        task.context = TaskContext(datasets_root=tmp_path)
+        with pytest.raises((ValueError, InvalidArgument), match="job"):
+            env.step("```python\nprint(1)\n```")
+    finally:
+        sandbox_client.default_client().close()
+        sandbox_client.set_default_client(previous)

@@ -167,7 +167,7 @@ def test_reflow_sim_takes_the_tool_latency_from_a_benchmark_file(tmp_path, capsy
                                str(bench), 8)
     # The example's own figures are the committed benchmark's, at one caller.
     example = load_config(REPO / "examples" / "sim" / "python_tool.yaml").costs.tools
-    measured = calibrate.tool_cost(json.loads((REPO / "bench" / "out" / "sandbox.json")
+    measured = calibrate.tool_cost(json.loads((REPO / "bench" / "sim" / "sandbox_cpu.json")
                                               .read_text()), example)
     assert example.latency_median_s == pytest.approx(measured.latency_median_s, abs=5e-5)
     assert example.latency_sigma == pytest.approx(measured.latency_sigma, abs=5e-3)

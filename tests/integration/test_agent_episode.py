@@ -2,8 +2,9 @@
 agent runner and by a rollout worker, against a scripted engine: what trains
 (the engine's tokens and logprobs, the agent's additions masked), what is
 refused (an edited history), what the agent sees of the worker's environment,
-and an agent that hangs (killed with its process group at the episode timeout;
-the worker goes on)."""
+and an agent that hangs (killed with every process it started at the episode
+timeout; the worker goes on). What an agent can reach of the host is
+test_agent_isolation.py's."""
 
 import asyncio
 import json
@@ -18,6 +19,7 @@ from reflow.rollout.agent_episode import AgentRunner
 from reflow.rollout.engine import SamplingSpec, TokenDelta
 from reflow.rollout.multiturn import EpisodeRunner
 from reflow.rollout.worker import RolloutWorker
+from reflow.sandbox.isolate import SCRATCH_DIR
 from reflow.tasks import build_task
 from reflow.tasks.agent import AGENTS_DIR_ENV, AgentTask
 from reflow.tasks.base import TaskContext
@@ -62,14 +64,12 @@ AGENTS = {
             sys.exit(3)
     """,
     "hang": """
-        import json, os, subprocess, sys, time
+        import json, subprocess, sys, time
         from openai import OpenAI
         given = json.load(sys.stdin)
         if "forever" in given["text"]:
             OpenAI().chat.completions.create(model="any", messages=given["messages"])
-            child = subprocess.Popen(["sleep", "600"])
-            with open(PIDS, "w") as f:
-                json.dump([os.getpid(), child.pid], f)
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", MARKER])
             time.sleep(600)
         reply = OpenAI().chat.completions.create(model="any", messages=given["messages"])
         print(reply.choices[0].message.content)
@@ -82,17 +82,21 @@ def agents_dir(tmp_path, monkeypatch):
     directory = tmp_path / "agents"
     directory.mkdir()
     for name, source in AGENTS.items():
-        source = textwrap.dedent(source).replace("PIDS", repr(str(tmp_path / "pids.json")))
+        source = textwrap.dedent(source).replace("MARKER", repr(f"{tmp_path}-child"))
         (directory / f"{name}.py").write_text(source)
-    (directory / "reporter.py").write_text(textwrap.dedent(f"""
+    # What it saw goes back in its call (it can write nowhere the test could read).
+    (directory / "reporter.py").write_text(textwrap.dedent("""
         import json, os, sys
         from openai import OpenAI
         given = json.load(sys.stdin)
-        with open({str(tmp_path / "seen.json")!r}, "w") as f:
-            json.dump({{"env": dict(os.environ), "cwd": os.getcwd(), "given": given}}, f)
-        OpenAI().chat.completions.create(model="any", messages=given["messages"])
+        with open("note.txt", "w") as f:
+            f.write("scratch")
+        seen = {"env": dict(os.environ), "cwd": os.getcwd(), "given": given,
+                "note": open(os.path.join(os.environ["HOME"], "note.txt")).read()}
+        OpenAI().chat.completions.create(model="any", messages=[
+            {"role": "user", "content": "SEEN " + json.dumps(seen)}])
         print("done")
-        print(json.dumps({{"reward": 0.75}}))
+        print(json.dumps({"reward": 0.75}))
     """))
     monkeypatch.setenv(AGENTS_DIR_ENV, str(directory))
     return directory
@@ -130,6 +134,12 @@ class Scripted(PausableEngine):
 
 def boxed_408(prompt, text):
     return RewardResult(1.0 if "\\boxed{408}" in text else 0.0)
+
+
+def reported(engine):
+    """What an agent sent as `SEEN <json>` in its first call."""
+    text = TOKENIZER.decode(engine.requests[0][1])
+    return json.loads(text.split("SEEN ", 1)[1].split("<|im_end|>", 1)[0])
 
 
 def play(runner, engine, prompt, version=5):
@@ -183,16 +193,20 @@ def test_the_agent_sees_no_worker_secret_and_may_report_its_own_reward(tmp_path,
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "cloud-secret")
     t = task(tmp_path, "reporter", reward_source="agent")
     prompt = next(t.prompts())
-    result = play(AgentRunner(t, RENDERER), Scripted(), prompt)
+    engine = Scripted()
+    result = play(AgentRunner(t, RENDERER), engine, prompt)
     assert (result.reward, result.reward_error) == (0.75, "")
-    seen = json.loads((tmp_path / "seen.json").read_text())
+    seen = reported(engine)
     env = seen["env"]
     assert "worker-secret" not in json.dumps(env) and "cloud-secret" not in json.dumps(env)
-    assert set(env) - {"LC_CTYPE"} == {"PATH", "LANG", "HOME", "TMPDIR", "OPENAI_BASE_URL",
-                                       "OPENAI_API_KEY", "NO_PROXY", "PYTHONUNBUFFERED",
-                                       "PYTHONDONTWRITEBYTECODE"}
+    assert set(env) - {"LC_CTYPE", "PWD"} == {
+        "PATH", "LANG", "HOME", "TMPDIR", "OPENAI_BASE_URL", "OPENAI_API_KEY", "NO_PROXY",
+        "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
     assert env["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")
-    assert seen["cwd"] == env["HOME"] and not os.path.exists(env["HOME"])  # scratch, removed
+    # A writable scratch directory of its own (a tmpfs in its view, not the host's).
+    assert seen["cwd"] == env["HOME"] == env["TMPDIR"] == SCRATCH_DIR
+    assert seen["note"] == "scratch"
     # The agent scoring itself is given the reference; one scored by the task is not.
     assert seen["given"]["answer"] == "408" and seen["given"]["text"] == prompt.text
     assert "answer" not in task(tmp_path, "reporter").agent_input(prompt)
@@ -201,10 +215,24 @@ def test_the_agent_sees_no_worker_secret_and_may_report_its_own_reward(tmp_path,
 def _alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+
+
+def _processes_naming(text):
+    """{pid: cmdline} of the host's live processes whose command line holds `text`."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        if entry.isdigit() and text in cmdline:
+            found[int(entry)] = cmdline
+    return found
 
 
 def test_a_hanging_agent_is_killed_at_the_timeout_and_the_worker_goes_on(tmp_path,
@@ -226,9 +254,12 @@ def test_a_hanging_agent_is_killed_at_the_timeout_and_the_worker_goes_on(tmp_pat
             self.trajectories += trajectories
             return len(trajectories)
 
+    seen = {}  # every process of the agents' (bubblewrap, agent, its child) while they ran
+
     def wait_for(n, timeout_s=60):
         deadline = time.monotonic() + timeout_s
         while len(puts.trajectories) < n and time.monotonic() < deadline:
+            seen.update(_processes_naming(str(tmp_path)))
             time.sleep(0.05)
         assert len(puts.trajectories) == n
 
@@ -246,9 +277,10 @@ def test_a_hanging_agent_is_killed_at_the_timeout_and_the_worker_goes_on(tmp_pat
         assert time.monotonic() - started >= 2.0
         assert [tr.reward_error for tr in puts.trajectories] == ["agent_timeout"] * 2
         assert all(set(tr.loss_mask) == {0} for tr in puts.trajectories)
-        # The agent and the child it started are gone with its process group.
-        pids = json.loads((tmp_path / "pids.json").read_text())
-        assert not any(_alive(pid) for pid in pids)
+        # The agents and the children they started are gone with them.
+        children = [pid for pid, cmdline in seen.items() if "time.sleep(600)" in cmdline]
+        assert len(children) == 2, seen
+        assert not [pid for pid in seen if _alive(pid)]
         started = time.monotonic()
         assert worker.submit_group("answers", prompts[False])
         wait_for(4)

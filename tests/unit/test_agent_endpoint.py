@@ -5,6 +5,8 @@ each call must extend, the stop token, the masks, the limits)."""
 
 import asyncio
 import json
+import os
+import sys
 import threading
 
 import httpx
@@ -17,7 +19,8 @@ from reflow.rollout.agent_endpoint import AgentEndpoint, ChatRequest, Completion
 from reflow.rollout.agent_episode import AGENT_RETOKENIZED, AgentEpisode, reported_reward
 from reflow.rollout.engine import SamplingSpec, TokenDelta
 from reflow.tasks import check_task
-from reflow.tasks.agent import AGENTS_DIR_ENV, registered_agents, resolve_agent
+from reflow.tasks.agent import (AGENTS_DIR_ENV, AgentProgram, registered_agents,
+                                resolve_agent)
 from reflow.tasks.chat import ChatRenderer
 from tests.unit.chat_tokenizer import build_chat_tokenizer
 
@@ -321,6 +324,11 @@ def test_agents_are_registered_names_and_a_spec_cannot_name_a_path(tmp_path, mon
     monkeypatch.setenv(AGENTS_DIR_ENV, str(agents))
     assert sorted(registered_agents()) == ["solver"]
     assert resolve_agent("solver").argv[1:] == (str(agents / "solver.py"),)
+    # What an isolated agent must see of its own code: its directory, or its package's.
+    assert resolve_agent("solver").code_paths() == [str(agents)]
+    module = AgentProgram("tool", (sys.executable, "-m", "json.tool"))
+    assert module.code_paths() == [os.path.dirname(json.__file__)]
+    assert AgentProgram("gone", (sys.executable, "-m", "no_such_module.x")).code_paths() == []
     for name in ("escape", "../outside", str(agents / "solver.py"), "nope"):
         with pytest.raises(ValueError) as err:
             resolve_agent(name)

@@ -14,7 +14,7 @@ import pytest
 
 from reflow.core.errors import ResourceExhausted, Unavailable
 from reflow.sandbox import runner
-from reflow.sandbox.executor import build_command, classify, cover_args
+from reflow.sandbox.executor import build_command, classify, cover_args, namespace_args
 from reflow.sandbox.metrics import SandboxMetrics
 from reflow.sandbox.service import SandboxService, SandboxSettings
 from reflow.sandbox.types import (ERROR, MEMORY, OK, OUTPUT_LIMIT, TIMEOUT, ExecLimits,
@@ -372,3 +372,11 @@ def test_command_shows_the_interpreter_and_the_runner_only(tmp_path):
     unprivileged = build_command("bwrap", "/usr/bin/python3", [], [], [], 2**20,
                                  privileged=False)
     assert "--unshare-user" in unprivileged and "CAP_SETUID" not in unprivileged
+
+
+def test_namespaces_share_the_network_only_when_asked():
+    # An isolated agent (reflow.sandbox.isolate) keeps it, to call its endpoint on loopback.
+    assert "--unshare-net" in namespace_args(True)
+    assert "--unshare-net" not in namespace_args(True, share_net=True)
+    assert "--share-net" in namespace_args(False, share_net=True)
+    assert "--share-net" not in namespace_args(False)

@@ -21,11 +21,13 @@ instead with the task's `retokenization: keep_sampled`: the sequence keeps the
 tokens as sampled, the rendering's tokens after that turn's end are the
 observation, and the trajectory is still exactly what the engine saw.
 
-The agent runs with a scrubbed environment (PATH, a scratch HOME and working
-directory, OPENAI_BASE_URL and a per-episode OPENAI_API_KEY) in a process
-group of its own, which is killed when the episode ends, whatever ended it:
-its exit, a refused call, a limit, the episode timeout, or the group being
-cancelled. Its input is JSON on stdin (AgentTask.agent_input).
+The agent runs under bubblewrap (reflow.rollout.agent_process: a view of the
+system, its interpreter and its own code, a pid namespace of its own, the
+worker's network, limits) with a scrubbed environment (PATH, a scratch HOME and
+working directory, OPENAI_BASE_URL and a per-episode OPENAI_API_KEY), and is
+killed when the episode ends, whatever ended it: its exit, a refused call, a
+limit, the episode timeout, or the group being cancelled. Its input is JSON on
+stdin (AgentTask.agent_input).
 
 This module knows nothing of HTTP (the endpoint's) nor of how a group becomes
 the buffer's (the worker's).
@@ -38,15 +40,12 @@ import contextlib
 import json
 import logging
 import math
-import os
 import secrets
-import shutil
-import signal
-import tempfile
 import time
 from dataclasses import dataclass, replace
 
 from reflow.rollout.agent_endpoint import AgentEndpoint, ChatRequest, Completion, RequestError
+from reflow.rollout.agent_process import AgentExit, AgentLauncher
 from reflow.rollout.engine import SamplingSpec
 from reflow.rollout.episode import EpisodeResult, Generate
 from reflow.rollout.multiturn import EpisodeCounters
@@ -64,11 +63,6 @@ AGENT_FAILED = "agent_failed"
 AGENT_NO_CALLS = "agent_no_calls"
 AGENT_NO_REWARD = "agent_no_reward"
 AGENT_PROMPT_MISMATCH = "agent_prompt_mismatch"
-# What is kept of the agent's output: its last line is its reward report.
-STDOUT_TAIL_BYTES = 65536
-STDERR_TAIL_BYTES = 4096
-# How long a killed agent's pipes may stay open (a child that left its group).
-DRAIN_WAIT_S = 2.0
 
 
 class AgentEpisode:
@@ -221,75 +215,6 @@ class AgentEpisode:
                                               clean_up_tokenization_spaces=False)
 
 
-@dataclass
-class AgentExit:
-    """How the agent's process ended: its exit status (None: killed by us), whether
-    the episode timeout did it, and the tails of its output."""
-
-    returncode: int | None
-    timed_out: bool
-    stdout: bytes
-    stderr: bytes
-
-
-def agent_environment(base_url: str, api_key: str, scratch: str) -> dict[str, str]:
-    """Everything the agent's process sees of an environment: nothing of the worker's
-    but PATH and the locale."""
-    return {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8", "HOME": scratch,
-            "TMPDIR": scratch, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
-            "NO_PROXY": "127.0.0.1,localhost", "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1"}
-
-
-async def _tail(stream: asyncio.StreamReader, max_bytes: int) -> bytes:
-    kept = bytearray()
-    while chunk := await stream.read(65536):
-        kept = (kept + chunk)[-max_bytes:]
-    return bytes(kept)
-
-
-async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(ConnectionError):
-        stream.write(data)
-        await stream.drain()
-        stream.close()
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-async def run_agent(argv: tuple[str, ...], stdin: bytes, env: dict[str, str], cwd: str,
-                    timeout_s: float, ended: asyncio.Event) -> AgentExit:
-    """Run the agent until it exits, `ended` is set or `timeout_s` passes; its whole
-    process group is killed on the way out."""
-    try:
-        # argv comes from the operator's registry (reflow.tasks.agent), never from a spec.
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
-    except OSError as err:  # the machine's trouble (no memory, no fds): this sample's
-        return AgentExit(-1, False, b"", f"cannot start the agent: {err}".encode())
-    tasks = [asyncio.create_task(c) for c in (_feed(proc.stdin, stdin),
-                                              _tail(proc.stdout, STDOUT_TAIL_BYTES),
-                                              _tail(proc.stderr, STDERR_TAIL_BYTES))]
-    exited, stop = asyncio.create_task(proc.wait()), asyncio.create_task(ended.wait())
-    try:
-        done, _ = await asyncio.wait({exited, stop}, timeout=timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        _kill_group(proc.pid)
-        stop.cancel()
-        # Shielded: a cancelled episode still reaps its agent.
-        await asyncio.shield(exited)
-        _, pending = await asyncio.wait(tasks[1:], timeout=DRAIN_WAIT_S)
-        for task in [tasks[0], *pending]:
-            task.cancel()
-    out, err = (t.result() if t.done() and not t.cancelled() else b"" for t in tasks[1:])
-    return AgentExit(proc.returncode if exited in done else None, not done, out, err)
-
-
 def reported_reward(stdout: bytes) -> RewardResult:
     """The agent's own reward: its last non-empty stdout line, `{"reward": x}`."""
     lines = [line for line in stdout.splitlines() if line.strip()]
@@ -322,6 +247,7 @@ class AgentRunner:
         self.task, self.renderer = task, renderer
         self.counters = AgentCounters()
         self.program = resolve_agent(task.args.agent)
+        self.launcher = AgentLauncher(self.program, task.args)
         self._pool: RewardPool | None = None
         if score is None and task.args.reward_source == "task":
             if spec is None:
@@ -341,16 +267,13 @@ class AgentRunner:
                                keep_sampled=args.retokenization == "keep_sampled")
         api_key = secrets.token_urlsafe(32)
         endpoint = AgentEndpoint(episode.complete, api_key, args.max_request_bytes)
-        scratch = tempfile.mkdtemp(prefix="reflow-agent-")
         try:
             base_url = await endpoint.start()
             given = json.dumps(self.task.agent_input(prompt)).encode() + b"\n"
-            done = await run_agent(self.program.argv, given,
-                                   agent_environment(base_url, api_key, scratch), scratch,
-                                   args.episode_timeout_s, episode.ended)
+            done = await self.launcher.run(given, base_url, api_key, args.episode_timeout_s,
+                                           episode.ended)
         finally:
             await endpoint.close()
-            shutil.rmtree(scratch, ignore_errors=True)
         if episode.engine_error is not None:
             raise episode.engine_error
         result = await self._result(episode, done, prompt, request_id)

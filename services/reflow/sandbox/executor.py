@@ -34,7 +34,8 @@ anything else is `error`. bubblewrap reports a program killed by signal N as exi
 showed just before (killed by the service), its budget (killed for CPU) or 0.
 
 It knows nothing of pools, queues, clamping or metrics (reflow.sandbox.pool,
-reflow.sandbox.service).
+reflow.sandbox.service). Its namespaces and view (`namespace_args`, `view_args`)
+are also an isolated agent's (reflow.sandbox.isolate).
 """
 
 from __future__ import annotations
@@ -158,19 +159,31 @@ def cover_args(secret_paths: list[str], visible: list[str], needed: list[str]) -
     return args
 
 
-def build_command(bwrap: str, python: str, prefixes: list[str], readable_paths: list[str],
-                  secret_paths: list[str], scratch_bytes: int, privileged: bool) -> list[str]:
-    """The command line every sandbox starts with (the limits come per request)."""
-    args = [bwrap, "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+def namespace_args(privileged: bool, share_net: bool = False) -> list[str]:
+    """bubblewrap's namespaces and capabilities: a pid, IPC and UTS namespace of
+    its own, and a network one unless `share_net`; no capability left, but the
+    two a root-started process needs to give root up (runner step 1)."""
+    args = ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     if privileged:
         # Root, no user namespace here: the runner's own (runner step 1) follows.
         # It needs these two capabilities to become nobody, and loses them doing so.
-        args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                 "--unshare-cgroup-try", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        args += ["--unshare-pid", *([] if share_net else ["--unshare-net"]), "--unshare-ipc",
+                 "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        args += ["--unshare-all", "--unshare-user", "--disable-userns",
-                 "--uid", str(runner.NOBODY_UID), "--gid", str(runner.NOBODY_UID)]
-    args += ["--hostname", "sandbox"]
+        args += ["--unshare-all", *(["--share-net"] if share_net else []), "--unshare-user",
+                 "--disable-userns", "--uid", str(runner.NOBODY_UID),
+                 "--gid", str(runner.NOBODY_UID)]
+    return args
+
+
+def view_args(python: str, prefixes: list[str], readable_paths: list[str],
+              secret_paths: list[str], scratch_bytes: int) -> list[str]:
+    """bubblewrap arguments that build the view (the module docstring's): the
+    system's directories, the scratch tmpfs, the interpreter and `readable_paths`,
+    the runner at RUNNER_PATH, every secret path inside covered, a fresh /proc and
+    /dev, and a read-only root."""
+    args: list[str] = []
     visible = [d for d in SYSTEM_DIRS if os.path.isdir(d)]
     for path in visible:
         args += ["--ro-bind", path, path]
@@ -197,9 +210,15 @@ def build_command(bwrap: str, python: str, prefixes: list[str], readable_paths: 
              "--ro-bind", os.path.realpath(runner.__file__), RUNNER_PATH]
     needed = [os.path.abspath(python), *prefixes, *readable_paths, *SYSTEM_DIRS]
     args += cover_args(secret_paths, visible, needed)
-    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", SCRATCH_DIR,
-             os.path.abspath(python), "-I", "-B", RUNNER_PATH]
-    return args
+    return [*args, "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/"]
+
+
+def build_command(bwrap: str, python: str, prefixes: list[str], readable_paths: list[str],
+                  secret_paths: list[str], scratch_bytes: int, privileged: bool) -> list[str]:
+    """The command line every sandbox starts with (the limits come per request)."""
+    return [bwrap, *namespace_args(privileged), "--hostname", "sandbox",
+            *view_args(python, prefixes, readable_paths, secret_paths, scratch_bytes),
+            "--chdir", SCRATCH_DIR, os.path.abspath(python), "-I", "-B", RUNNER_PATH]
 
 
 @dataclass

@@ -19,11 +19,13 @@ agent, which must be registered on the service that runs it. The names are
 An entry point wins over a script of the same name. A name that is not
 registered is refused at submission (`check`) naming `task.args.agent` and the
 names that are. This module knows nothing of engines, endpoints or processes:
-it says which argv an agent name stands for and what the agent is given.
+it says which argv an agent name stands for, where its code lives (what an
+isolated agent must see, reflow.rollout.agent_process) and what it is given.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -55,6 +57,22 @@ class AgentProgram:
 
     name: str
     argv: tuple[str, ...]
+
+    def code_paths(self) -> list[str]:
+        """Where the agent's code lives, for a view that must show it: the script's
+        directory, or the directories of the entry point's top-level package
+        (site-packages, or an editable install's source). Found without importing it."""
+        if self.argv[1] != "-m":
+            return [os.path.dirname(self.argv[1])]
+        try:
+            spec = importlib.util.find_spec(self.argv[2].split(".")[0])
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return []
+        if spec.submodule_search_locations:
+            return [str(p) for p in spec.submodule_search_locations]
+        return [spec.origin] if spec.origin and os.path.isabs(spec.origin) else []
 
 
 def _entry_point_agents() -> dict[str, AgentProgram]:
@@ -139,11 +157,19 @@ class AgentTask(MathTask):
         max_request_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20,
                                        description="Largest request body the endpoint reads "
                                        "(413 beyond).")
+        memory_bytes: int = Field(default=4 << 30, ge=256 << 20, le=64 << 30,
+                                  description="Address space each of the agent's processes "
+                                  "may map (RLIMIT_AS); an allocation past it fails.")
+        max_processes: int = Field(default=64, ge=4, le=1024,
+                                   description="Processes and threads the agent may hold at "
+                                   "once, itself included (RLIMIT_NPROC in a user namespace "
+                                   "of its own).")
 
     def __init__(self, agent: str, reward_source: str = "task",
                  retokenization: str = "keep_sampled", max_calls: int = 8,
                  max_episode_tokens: int = 4096, episode_timeout_s: float = 300.0,
-                 max_request_bytes: int = 1 << 20, context: TaskContext | None = None,
+                 max_request_bytes: int = 1 << 20, memory_bytes: int = 4 << 30,
+                 max_processes: int = 64, context: TaskContext | None = None,
                  **math_args: Any) -> None:
         # The agent is looked up where it runs (the rollout worker) and at submission,
         # not here: a reward process builds this task with an environment of its own.
@@ -151,7 +177,9 @@ class AgentTask(MathTask):
                               retokenization=retokenization, max_calls=max_calls,
                               max_episode_tokens=max_episode_tokens,
                               episode_timeout_s=episode_timeout_s,
-                              max_request_bytes=max_request_bytes, **math_args)
+                              max_request_bytes=max_request_bytes,
+                              memory_bytes=memory_bytes, max_processes=max_processes,
+                              **math_args)
         self.context = context or TaskContext()
         super().__init__(context=self.context, **math_args)
 

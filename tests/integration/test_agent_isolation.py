@@ -174,9 +174,14 @@ def test_without_bubblewrap_the_runner_refuses_unless_the_operator_allows_it(hos
     assert runner.launcher.isolation is None
     assert "runs as a plain process of the worker" in caplog.text
     engine = Scripted()
-    play(runner, engine, next(t.prompts()))
+    try:
+        play(runner, engine, next(t.prompts()))
+    finally:
+        # Unconfined, it writes where the worker may: the probe's file in the repository.
+        (REPO / "agent-was-here").unlink(missing_ok=True)
     # Unconfined, it reads what the worker reads (which is why it takes an operator's word).
     assert "problems.jsonl" in reported(engine)["test_dir"]
+    assert reported(engine)["write_repo"] == "ok: 1"
     monkeypatch.setenv(agent_process.UNCONFINED_ENV, "yes")
     with pytest.raises(ValueError, match=agent_process.UNCONFINED_ENV):
         AgentRunner(t, RENDERER)

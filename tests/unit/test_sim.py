@@ -383,6 +383,21 @@ def test_multi_turn_episodes_wait_out_their_tool_calls(redis_client, tmp_path):
     assert multi_summary["steps"] == single_summary["steps"] == 4
 
 
+def test_tool_calls_that_return_during_a_weight_sync_do_not_stall_the_run(redis_client,
+                                                                           tmp_path):
+    """Tool calls of milliseconds (the sandbox's, examples/sim/python_tool.yaml) return
+    while engines are paused for a weight sync: each waits for the pause to end, and
+    the run goes on to its last step (it once waited for ever on such a return)."""
+    from reflow.sim.costs import ToolCost
+
+    base = _small(6)
+    tools = ToolCost(turns=3, latency_median_s=0.015, latency_sigma=0.3, output_tokens=64)
+    multi = base.model_copy(update={"costs": base.costs.model_copy(update={"tools": tools})})
+    for mode in ("reflow", "sync"):
+        _, summary = _run(mode, redis_client, tmp_path / mode, config=multi)
+        assert summary["steps"] == 6
+
+
 def test_a_sync_step_s_stragglers_show_in_its_tail_share(redis_client, tmp_path):
     """Nine in ten samples of 10-20 tokens and one in twenty of 2,000: in sync, the
     last tenth holds the batch for most of the generation phase; samples all of

@@ -155,9 +155,12 @@ class SimEngine:
     def _next_time(self) -> float:
         self._admit()
         start = max(self.t, self.paused_until)
-        tool = self._tools[0][0] if self._tools else math.inf
+        # A tool call that returns during a weight-sync pause changes nothing before the
+        # pause ends (advance_to takes no step in it): an earlier time would be an event
+        # that never happens, and the run loop would wait on it for ever.
+        tool = max(self._tools[0][0], start) if self._tools else math.inf
         if not self.running:
-            return max(tool, start) if self._tools else math.inf
+            return tool
         steps = self._steps_to_next_change()
         return min(tool, start + self.decode.steps_time_s(len(self.running), self.context, steps))
 

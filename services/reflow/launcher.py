@@ -21,10 +21,12 @@ secret files from the programs it runs as reward processes do.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +34,8 @@ from pathlib import Path
 from reflow.core.config import JobSpec, dump_job_spec
 from reflow.core.paths import MODELS_ROOT_ENV, RUNS_ROOT_ENV
 from reflow.scheduler.jobs import TERMINAL
+
+logger = logging.getLogger(__name__)
 
 
 # Consecutive failed status polls (about a second apart) before `reflow run` gives up.
@@ -96,20 +100,63 @@ def needs_sandbox(spec: JobSpec) -> bool:
     return bool(getattr(task, "needs_sandbox", False))
 
 
-def start_sandbox(run_dir: Path, env: dict[str, str]):
-    """The run's sandbox service, on ports of its own, listed in endpoints.json
-    (and so in prometheus-targets.json); returns its process and address. `env`
-    is what every service of the run gets (REFLOW_SECRET_PATHS among it: what the
-    sandbox hides from its programs)."""
-    from reflow import procs
-    from reflow.scheduler.local import record_endpoints
+class SandboxProcess:
+    """The run's sandbox service, on ports of its own, listed in endpoints.json (and
+    so in prometheus-targets.json). `env` is what every service of the run gets
+    (REFLOW_SECRET_PATHS among it: what the sandbox hides from its programs).
 
-    port, metrics_port = procs.free_ports(2)
-    address = f"127.0.0.1:{port}"
-    record_endpoints(run_dir, {"sandbox": {"grpc": address,
-                                           "metrics": f"127.0.0.1:{metrics_port}"}})
-    proc = _start("sandbox", port, run_dir, {**env, "REFLOW_METRICS_PORT": str(metrics_port)})
-    return proc, address
+    `supervise` starts it again on the same ports whenever it dies (kill -9, an OOM
+    kill), up to `max_restarts` times: an execution in flight comes back
+    UNAVAILABLE and the rollout worker's client sends it again into the restart
+    (reflow.sandbox.grpc_client, `retry_s`), so the job's episodes ride out the gap
+    rather than fail. A sandbox keeps nothing between executions: a restart loses
+    nothing but the warm pool."""
+
+    def __init__(self, run_dir: Path, env: dict[str, str]) -> None:
+        from reflow import procs
+        from reflow.scheduler.local import record_endpoints
+
+        port, metrics_port = procs.free_ports(2)
+        self.run_dir = run_dir
+        self.address = f"127.0.0.1:{port}"
+        record_endpoints(run_dir, {"sandbox": {"grpc": self.address,
+                                               "metrics": f"127.0.0.1:{metrics_port}"}})
+        self._start_args = ("sandbox", port, run_dir,
+                            {**env, "REFLOW_METRICS_PORT": str(metrics_port)})
+        self.proc = _start(*self._start_args)
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        wait_sandbox(self.proc, self.address, self.run_dir, timeout_s)
+
+    def supervise(self, max_restarts: int = 5, poll_s: float = 0.5) -> threading.Thread:
+        def watch() -> None:
+            while not self._stopping.wait(poll_s):
+                with self._lock:
+                    if self._stopping.is_set() or self.proc.poll() is None:
+                        continue
+                    if self.restarts >= max_restarts:
+                        logger.error("the sandbox exited (code %s) %d times; not restarted "
+                                     "again", self.proc.returncode, self.restarts + 1)
+                        return
+                    self.restarts += 1
+                    logger.warning("the sandbox exited (code %s); restarting it at %s "
+                                   "(restart %d of %d)", self.proc.returncode, self.address,
+                                   self.restarts, max_restarts)
+                    self.proc = _start(*self._start_args)
+
+        thread = threading.Thread(target=watch, name="sandbox-supervisor", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self, timeout_s: float) -> None:
+        from reflow import procs
+
+        with self._lock:
+            self._stopping.set()
+        procs.stop_gracefully(self.proc, timeout_s=timeout_s)
 
 
 def wait_sandbox(proc, address: str, run_dir: Path, timeout_s: float = 60.0) -> None:
@@ -161,7 +208,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         (run_dir / "config.yaml").write_text(dump_job_spec(spec))
 
     started = []
-    redis = None
+    redis = sandbox = None
     # SIGTERM ends a run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     job_id = resume_job_id or f"{spec.name}-{stamp}"
@@ -197,13 +244,11 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
             os.environ.get(SECRET_PATHS_ENV, ""),
             *(str(run_dir / name) for name in ("tls", "api-token", "redis"))]))
         redis_urls = {user: redis.url_for(user) for user in redis_acl.USER_NAMES}
-        sandbox = sandbox_proc = None
         if needs_sandbox(spec):
-            sandbox_proc, sandbox = start_sandbox(run_dir, env)
-            started.append(sandbox_proc)
+            sandbox = SandboxProcess(run_dir, env)
             # Every service of the job inherits it from the scheduler: the rollout
             # workers, and the AsyncHybrid workers that may become one.
-            env[SANDBOX_ADDRESS_ENV] = sandbox
+            env[SANDBOX_ADDRESS_ENV] = sandbox.address
         sched_port, api_port, sched_metrics, api_metrics = procs.free_ports(4)
         record_endpoints(run_dir, {
             "scheduler": {"grpc": f"127.0.0.1:{sched_port}", "metrics": f"127.0.0.1:{sched_metrics}"},
@@ -224,7 +269,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
                                **redis_acl.env_for("api", redis_urls)}))
         rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, role="scheduler")
         if sandbox is not None:
-            wait_sandbox(sandbox_proc, sandbox, run_dir)
+            sandbox.wait()
+            sandbox.supervise()
         api = f"http://127.0.0.1:{api_port}"
         wait_http(f"{api}/healthz", 60)
         headers = {"Authorization": f"Bearer {token}"}
@@ -292,6 +338,8 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         # rollout calls until it stops, after them.
         for proc in reversed(started):
             procs.stop_gracefully(proc, timeout_s=STOP_GRACE_S)
+        if sandbox is not None:
+            sandbox.stop(timeout_s=STOP_GRACE_S)
         if redis is not None:
             redis.stop()
         _reap_leftovers()

@@ -241,9 +241,10 @@ def test_the_sandbox_reflow_run_starts_hides_the_runs_secrets_and_serves_metrics
     env = {"REFLOW_SECRET_PATHS": str(data / "token.txt"),
            "REFLOW_SANDBOX_READABLE_PATHS": str(data), "REFLOW_SANDBOX_POOL_SIZE": "1"}
 
-    proc, address = launcher.start_sandbox(run_dir, env)
+    sandbox = launcher.SandboxProcess(run_dir, env)
+    proc, address = sandbox.proc, sandbox.address
     try:
-        launcher.wait_sandbox(proc, address, run_dir)
+        sandbox.wait()
         endpoints = json.loads((run_dir / "endpoints.json").read_text())
         assert endpoints["sandbox"]["grpc"] == address
         targets = json.loads((run_dir / "prometheus-targets.json").read_text())
@@ -279,13 +280,45 @@ def test_the_sandbox_reflow_run_starts_hides_the_runs_secrets_and_serves_metrics
 def test_a_sandbox_that_cannot_start_says_why_at_once(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    proc, address = launcher.start_sandbox(run_dir, {"REFLOW_SANDBOX_BWRAP": "/nonexistent/bwrap"})
+    sandbox = launcher.SandboxProcess(run_dir, {"REFLOW_SANDBOX_BWRAP": "/nonexistent/bwrap"})
     try:
         with pytest.raises(RuntimeError, match=r"exited \(1\) before it served: .*bubblewrap "
                                                 r"'/nonexistent/bwrap' not found"):
-            launcher.wait_sandbox(proc, address, run_dir, timeout_s=60)
+            sandbox.wait(timeout_s=60)
     finally:
-        procs.stop_gracefully(proc, timeout_s=5)
+        sandbox.stop(timeout_s=5)
+
+
+def test_a_sandbox_killed_mid_job_comes_back_and_the_call_in_its_gap_is_answered(
+        tmp_path, monkeypatch):
+    """kill -9 of the run's sandbox: its supervisor starts it again on the same
+    port, and a call sent while it was down is answered by the restart (the
+    client's retries), as the episodes of a running job are."""
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    sandbox = launcher.SandboxProcess(run_dir, {"REFLOW_SANDBOX_POOL_SIZE": "1"})
+    sandbox.wait()
+    sandbox.supervise(poll_s=0.1)
+    for name in rpcauth.SIGNING_KEY_ENVS.values():
+        monkeypatch.delenv(name, raising=False)
+    rpcauth.reset_credentials()
+    JOB_TOKENS.grant(JOB, _pass("rollout"))
+    client = GrpcSandboxClient(sandbox.address, retry_s=60)
+    try:
+        assert client.execute(ExecRequest("print('before')"), job_id=JOB).stdout == "before\n"
+        first = sandbox.proc
+        first.kill()
+        first.wait()
+        # Sent into the gap: refused UNAVAILABLE until the restart serves it.
+        result = client.execute(ExecRequest("print('after')"), job_id=JOB)
+        assert (result.status, result.stdout) == (OK, "after\n")
+        assert sandbox.restarts == 1 and sandbox.proc is not first
+    finally:
+        client.close()
+        JOB_TOKENS.revoke(JOB)
+        rpcauth.reset_credentials()
+        sandbox.stop(timeout_s=15)
+    assert sandbox.proc.returncode == 0
 
 
 def test_a_task_s_environment_reaches_the_sandbox_over_grpc_with_the_worker_s_pass(

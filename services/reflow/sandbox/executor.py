@@ -47,7 +47,7 @@ import os
 import select
 import selectors
 import signal
-import subprocess
+import subprocess  # nosec B404 # argv lists, no shell
 import time
 from dataclasses import dataclass
 
@@ -104,7 +104,7 @@ def program_env(python: str) -> dict[str, str]:
 def probe_prefixes(python: str) -> list[str]:
     """The prefixes of `python` (its venv and the installation beneath it)."""
     try:
-        done = subprocess.run([python, "-I", "-c", PROBE], capture_output=True, text=True,
+        done = subprocess.run([python, "-I", "-c", PROBE], capture_output=True, text=True,  # nosec B603 # fixed probe
                               timeout=60, env={"PATH": os.defpath}, check=False)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise RuntimeError(f"sandbox python {python!r} does not run: {err}") from err
@@ -341,7 +341,7 @@ class Executor:
             kwargs = {"user": self._user, "group": self._user, "extra_groups": []}
         status_r, status_w = os.pipe()
         try:
-            proc = subprocess.Popen([*self.argv, str(status_w)], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([*self.argv, str(status_w)], stdin=subprocess.PIPE,  # nosec B603 # built here
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                                     env=self.env, start_new_session=True, close_fds=True,
                                     pass_fds=(status_w,), **kwargs)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
+import subprocess  # nosec B404 # argv lists, no shell
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +131,7 @@ class Isolation:
         namespaces in this container, an interpreter nobody may read)."""
         cmd = self.command([self.python, "-c", "pass"], {}, limits)
         try:
-            done = subprocess.run(cmd.argv, env=cmd.env, capture_output=True,
+            done = subprocess.run(cmd.argv, env=cmd.env, capture_output=True,  # nosec B603 # built here
                                   timeout=CHECK_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL,
                                   start_new_session=True, cwd="/", **cmd.popen_kwargs)
         except (OSError, subprocess.TimeoutExpired) as err:

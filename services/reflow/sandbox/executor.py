@@ -40,14 +40,17 @@ are also an isolated agent's (reflow.sandbox.isolate).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import marshal
 import os
 import select
 import selectors
+import shutil
 import signal
 import subprocess  # nosec B404 # argv lists, no shell
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -178,7 +181,8 @@ def namespace_args(privileged: bool, share_net: bool = False) -> list[str]:
 
 
 def view_args(python: str, prefixes: list[str], readable_paths: list[str],
-              secret_paths: list[str], scratch_bytes: int) -> list[str]:
+              secret_paths: list[str], scratch_bytes: int,
+              runner_source: str | None = None) -> list[str]:
     """bubblewrap arguments that build the view (the module docstring's): the
     system's directories, the scratch tmpfs, the interpreter and `readable_paths`,
     the runner at RUNNER_PATH, every secret path inside covered, a fresh /proc and
@@ -207,17 +211,19 @@ def view_args(python: str, prefixes: list[str], readable_paths: list[str],
         args += ["--ro-bind", path, path]
         visible.append(path)
     args += ["--perms", "0755", "--dir", os.path.dirname(RUNNER_PATH),
-             "--ro-bind", os.path.realpath(runner.__file__), RUNNER_PATH]
+             "--ro-bind", runner_source or os.path.realpath(runner.__file__), RUNNER_PATH]
     needed = [os.path.abspath(python), *prefixes, *readable_paths, *SYSTEM_DIRS]
     args += cover_args(secret_paths, visible, needed)
     return [*args, "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/"]
 
 
 def build_command(bwrap: str, python: str, prefixes: list[str], readable_paths: list[str],
-                  secret_paths: list[str], scratch_bytes: int, privileged: bool) -> list[str]:
+                  secret_paths: list[str], scratch_bytes: int, privileged: bool,
+                  runner_source: str | None = None) -> list[str]:
     """The command line every sandbox starts with (the limits come per request)."""
     return [bwrap, *namespace_args(privileged), "--hostname", "sandbox",
-            *view_args(python, prefixes, readable_paths, secret_paths, scratch_bytes),
+            *view_args(python, prefixes, readable_paths, secret_paths, scratch_bytes,
+                       runner_source),
             "--chdir", SCRATCH_DIR, os.path.abspath(python), "-I", "-B", RUNNER_PATH]
 
 
@@ -316,6 +322,20 @@ def _decode(data: bytes | bytearray) -> str:
     return bytes(data).decode("utf-8", errors="replace")
 
 
+def _public_runner() -> str:
+    """A copy of the runner that nobody can read, for a root service that runs
+    bubblewrap as nobody: its own copy may lie under a directory only root can
+    enter (a checkout in a 0700 temporary directory, a pyenv under /root).
+    Removed when the process exits."""
+    directory = tempfile.mkdtemp(prefix="reflow-sandbox-runner-")
+    atexit.register(shutil.rmtree, directory, True)
+    os.chmod(directory, 0o755)  # nosec B103 # nobody must enter it; it holds no secret
+    copy = os.path.join(directory, "runner.py")
+    shutil.copyfile(os.path.realpath(runner.__file__), copy)
+    os.chmod(copy, 0o644)  # nosec B103 # the runner's source, public
+    return copy
+
+
 class Executor:
     """Starts sandboxes (`spawn`) and runs one request in one (`run`). Stateless
     past its command line: any number of threads may use it at once."""
@@ -328,11 +348,12 @@ class Executor:
         if self.privileged and not is_root:
             raise ValueError("privileged: true needs a service that runs as root")
         self.python = python
-        self.argv = build_command(bwrap, python, probe_prefixes(python), readable_paths,
-                                  secret_paths, scratch_bytes, self.privileged)
-        self.env = program_env(python)
         # A root service that runs bubblewrap unprivileged runs it as nobody.
         self._user = runner.NOBODY_UID if is_root and not self.privileged else None
+        runner_source = _public_runner() if self._user is not None else None
+        self.argv = build_command(bwrap, python, probe_prefixes(python), readable_paths,
+                                  secret_paths, scratch_bytes, self.privileged, runner_source)
+        self.env = program_env(python)
 
     def spawn(self) -> Sandbox:
         """Start a sandbox; its interpreter comes up while nobody waits for it."""

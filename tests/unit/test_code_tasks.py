@@ -4,7 +4,6 @@ programs that try to forge it, and whole episodes played by a scripted engine
 through the real in-process sandbox."""
 
 import json
-import time
 
 import pytest
 from pydantic import ValidationError
@@ -63,11 +62,10 @@ def test_text_without_a_closed_python_block_has_no_code(text):
 def test_hostile_blocks_are_refused_or_bounded():
     assert "empty" in extract_code("```python\n   \n```").error
     assert "longer than" in extract_code(block("x" * (MAX_CODE_CHARS + 1))).error
-    started = time.monotonic()
-    # Many fences that never close, and a megabyte of text: linear, bounded work.
+    # Many fences that never close, and a megabyte of text (quadratic work here would
+    # run into the suite's timeout).
     assert extract_code("```python\n" * 20_000) is None
     assert extract_code("a\n" * 500_000 + block("print(1)")).code == "print(1)"
-    assert time.monotonic() - started < 5
 
 
 def test_output_cannot_fake_a_chat_turn():

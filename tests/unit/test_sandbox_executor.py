@@ -108,15 +108,15 @@ def test_wall_clock_limit(service):
                  limits={"wall_s": 0.5})
     assert result.status == TIMEOUT
     assert result.stdout == "start\n"  # what it wrote before is kept
-    assert 0.5 <= result.wall_s < 5
+    assert 0.5 <= result.wall_s < 30  # killed, not left to finish its sleep
 
 
 @needs_bwrap
 def test_cpu_limit(service):
     result = run(service, "while True:\n    pass", limits={"cpu_s": 0.5, "wall_s": 15.0})
     assert result.status == TIMEOUT
+    # The CPU budget's signal ended it, not the wall clock's kill.
     assert result.exit_code == -signal.SIGPROF
-    assert result.wall_s < 10
 
 
 @needs_bwrap
@@ -144,14 +144,14 @@ def test_process_limit_counts_processes_and_threads(service):
             "    except OSError:\n"
             "        break\n"
             "    if pid == 0:\n"
-            "        time.sleep(5)\n"
+            "        time.sleep(60)\n"
             "        os._exit(0)\n"
             "    n += 1\n"
             "print(n)\n")
     result = run(service, code, limits={"max_processes": 4})
     assert (result.status, result.stdout) == (OK, "4\n")
     # Its children were killed with it: it ended well before their sleep did.
-    assert result.wall_s < 4
+    assert result.wall_s < 30
     threads = ("import threading, time\nstarted = 0\n"
                "for _ in range(20):\n"
                "    try:\n"
@@ -213,7 +213,7 @@ def test_limits_are_clamped_to_the_service_maxima():
     try:
         result = svc.execute(ExecRequest("import time\ntime.sleep(30)",
                                          limits=ExecLimits(wall_s=100.0)))
-        assert result.status == TIMEOUT and result.wall_s < 5
+        assert result.status == TIMEOUT and result.wall_s < 30  # 0.5 s, not 100
         clamped = svc.clamp(ExecLimits(wall_s=100.0, max_output_bytes=2**20, cpu_s=0.25))
         assert (clamped.wall_s, clamped.max_output_bytes, clamped.cpu_s) == (0.5, 4096, 0.25)
         assert svc.stats().cold_starts_total == 1  # pool_size 0: every execution starts one

@@ -41,7 +41,10 @@ def _load_spec(config: str, overrides: list[str], local_paths: bool = True):
     try:
         return load_job_spec(config, overrides, resolve_model_path=local_paths)
     except JobSpecError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # One line a bad field: `error: trainer.batch_size: ...`.
+        text = str(err).removeprefix("invalid job spec:\n")
+        for line in text.splitlines():
+            print(f"error: {line.strip()}", file=sys.stderr)
         raise SystemExit(2) from None
     except FileNotFoundError:
         print(f"error: config file {config!r} not found", file=sys.stderr)
@@ -64,12 +67,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     appendfsync = _appendfsync(args)
     if appendfsync is None:
         return 2
+    _check_dataset(spec)
     if args.dry_run:
         print(dump_job_spec(spec), end="")
         return 0
     from reflow.launcher import run_local
 
     return run_local(spec, args.out, appendfsync=appendfsync, plaintext=args.insecure_plaintext)
+
+
+def _check_dataset(spec) -> None:
+    """The task's own check of what it reads (its dataset file, the columns, every
+    row), before any service starts: a bad row is one line naming the row and the
+    field, not a traceback from inside the launched job."""
+    from reflow.core.paths import datasets_root
+    from reflow.tasks import check_task
+
+    try:
+        check_task(spec, datasets_root())
+    except ValueError as err:  # InvalidArgument included
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _appendfsync(args: argparse.Namespace) -> str | None:
@@ -363,7 +381,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    return args.fn(args)
+    return _run_command(args)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """The command, with what a user can fix as one line (`error: <field>: <why>`)
+    and exit status 2; a traceback only for what is a bug."""
+    import httpx
+
+    from reflow.core.errors import Conflict, InvalidArgument, NotFound
+
+    try:
+        return args.fn(args)
+    except (InvalidArgument, NotFound, Conflict) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except httpx.TransportError as err:
+        url = getattr(args, "url", "") or "the API"
+        print(f"error: {url}: cannot reach the REST API ({err}); check --url and that it "
+              "serves", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

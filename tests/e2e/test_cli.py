@@ -71,6 +71,52 @@ def test_malformed_spec_is_rejected_naming_the_field(tmp_path):
     assert "trainer.learning_rat: unknown field" in result.stderr
 
 
+def _one_line_error(result) -> str:
+    """The refusal as a user sees it: exit 2, no traceback, `error: ...` lines."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    return result.stderr
+
+
+def test_each_bad_field_is_one_error_line_without_a_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: /m}\ntrainer: {batch_size: -8, learning_rat: 0.1}\n")
+    err = _one_line_error(reflow("run", str(bad), "--dry-run"))
+    assert len(err.strip().splitlines()) == 2
+    assert "error: trainer.batch_size: " in err
+    assert "error: trainer.learning_rat: unknown field" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {path: [\n")
+    err = _one_line_error(reflow("run", str(broken), "--dry-run"))
+    assert f"error: {broken}: not valid YAML at line 2" in err
+
+
+@pytest.mark.parametrize("rows,message", [
+    ('{"prompt": "1+1", "answer": "2"}\n{"prompt": null, "answer": "3"}\n',
+     "error: task.args.prompt_column: row 1 holds null, not text or a number"),
+    ('{"question": "1+1", "answer": "2"}\n',
+     "error: task.args.prompt_column: row 0 has no column 'prompt'"),
+    ('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"\n',
+     "error: task.args.path: line 2 is not JSON"),
+])
+def test_a_bad_dataset_row_is_one_line_naming_the_row_and_the_field(tmp_path, rows, message):
+    (tmp_path / "data.jsonl").write_text(rows)
+    # Refused before any service starts, --dry-run or not.
+    for extra in (["--dry-run"], ["--out", str(tmp_path / "run")]):
+        result = reflow("run", str(REPO / "examples" / "math.yaml"), *extra,
+                        "task.args.path=data.jsonl", "task.args.prompt_column=prompt",
+                        env={**os.environ, "REFLOW_DATASETS_DIR": str(tmp_path)}, timeout=120)
+        assert message in _one_line_error(result)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_api_is_one_line_naming_the_url():
+    err = _one_line_error(reflow("jobs", "--url", "http://127.0.0.1:9", "--token", "t"))
+    assert "error: http://127.0.0.1:9: cannot reach the REST API" in err
+
+
 def test_dry_run_prints_the_resolved_config():
     result = reflow("run", str(QUICKSTART), "--dry-run", "trainer.num_steps=7")
     assert result.returncode == 0, result.stderr

@@ -66,7 +66,7 @@ def test_a_dataset_outside_the_datasets_root_or_missing_a_column_is_refused(data
     with pytest.raises(ValueError, match="task.args.path: line 2 is not JSON"):
         check_task(_spec({"name": "math", "args": {"path": "bad.jsonl"}}), datasets)
     (datasets / "nested.jsonl").write_text('{"question": {"a": 1}, "answer": "1"}\n')
-    with pytest.raises(ValueError, match="task.args.prompt_column: row 0 holds dict"):
+    with pytest.raises(ValueError, match="task.args.prompt_column: row 0 holds an object"):
         check_task(_spec({"name": "math", "args": {"path": "nested.jsonl"}}), datasets)
     check_task(_spec({"name": "math", "args": {"path": "arith.jsonl"}}), datasets)
 

@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from reflow.api.middleware import BearerAuth, BodySizeLimit, RequestMetrics
+from reflow.api.middleware import BearerAuth, BodySizeLimit, JsonBody, RequestMetrics
 from reflow.core.config import JobSpec
 from reflow.core.errors import (
     Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
@@ -155,6 +155,7 @@ class ApiError(BaseModel):
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ApiError, "description": "Missing or wrong bearer token."},
     413: {"model": ApiError, "description": "Request body over the size limit."},
+    415: {"model": ApiError, "description": "Request body not sent as application/json."},
     422: {"model": ApiError, "description": "Invalid request; the message names the field."},
     429: {"model": ApiError, "description": "Too many active jobs (an operator ceiling); "
           "retry after Retry-After seconds."},
@@ -183,6 +184,11 @@ def _field_errors(err: RequestValidationError) -> list[dict[str, Any]]:
             field = "(body)"
             msg = f"not valid JSON ({e.get('ctx', {}).get('error', msg)}) at character {loc[0]}" \
                 if loc else "not valid JSON"
+        elif e.get("type") == "missing" and field == "(body)":
+            msg = "empty; send a JSON object"
+        elif field == "(body)" and e.get("type") in ("model_attributes_type", "dict_type"):
+            msg = "not a JSON object; send one" \
+                if e.get("input") is not None else "empty; send a JSON object"
         elif e.get("type") == "extra_forbidden":
             msg = "unknown field; remove it or check its spelling"
         elif e.get("type") == "value_error":
@@ -243,7 +249,9 @@ def create_app(scheduler, settings: ApiSettings,
     app = FastAPI(title="ReFlow", version="0.1.0",
                   description="Submit and watch replay-driven RL post-training jobs.")
     # The last added runs first: metrics see every request, then the token is
-    # checked before the body is read (401 before 413 or 422).
+    # checked before the body is read (401 before 413, 415 or 422), then its size,
+    # then that it is JSON.
+    app.add_middleware(JsonBody)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.token)
     app.add_middleware(RequestMetrics, registry=registry or CollectorRegistry(),

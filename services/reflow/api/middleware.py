@@ -1,11 +1,12 @@
-"""ASGI middleware of the REST API: the bearer token, a request-body size cap
-and request metrics. Plain ASGI so that each sees every request, including the
+"""ASGI middleware of the REST API: the bearer token, a request-body size cap,
+a JSON-body check and request metrics. Plain ASGI so that each sees every request, including the
 ones the routes reject."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -40,8 +41,9 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
-async def _reject(send, status: int, detail: str, headers: list | None = None) -> None:
-    payload = json.dumps({"detail": detail}).encode()
+async def _reject(send, status: int, detail: str, headers: list | None = None,
+                  errors: list[dict] | None = None) -> None:
+    payload = json.dumps({"detail": detail, **({"errors": errors} if errors else {})}).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
         *(headers or []),
@@ -96,6 +98,87 @@ class BodySizeLimit:
     async def _too_large(self, send) -> None:
         await _reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes; "
                                  "a JobSpec is a few KiB")
+
+
+class _NonFinite:
+    """A NaN or ±Infinity found while parsing: JSON has neither, but Python's
+    parser takes them (and turns 1e999 into inf); kept as a marker so the check
+    can name the field it sits in."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _parse_float(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _non_finite_path(value, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
+    """The dotted path and text of the first non-finite number in `value`."""
+    if isinstance(value, _NonFinite):
+        return path, value.text
+    items = (value.items() if isinstance(value, dict) else
+             enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        found = _non_finite_path(item, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
+
+
+class JsonBody:
+    """A request body under `prefix` is JSON or is refused here, naming what is
+    wrong: a Content-Type that is not JSON (415), or a non-finite number (422,
+    naming the field it sits in). Malformed JSON, an empty body and fields the
+    model refuses are the routes' validation errors (app.py names those)."""
+
+    def __init__(self, app, prefix: str = "/v1") -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH")
+                or not scope["path"].startswith(self.prefix)):
+            return await self.app(scope, receive, send)
+        # Bounded: BodySizeLimit, before this, refused a body over the cap.
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body.strip():
+            ctype = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+            media = ctype.partition(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                return await _reject(send, 415, f"Content-Type: {media or '(none)'!r} is not "
+                                                "JSON; send the body as application/json")
+            try:
+                parsed = json.loads(body, parse_constant=_NonFinite, parse_float=_parse_float)
+            except ValueError:
+                parsed = None  # malformed: the route's validation says where
+            found = _non_finite_path(parsed)
+            if found is not None:
+                path, text = found
+                field = ".".join(path) or "(body)"
+                return await _reject(send, 422, f"invalid request: {field}: {text} is not a "
+                                                "JSON number; send a finite number", errors=[
+                    {"field": field, "message": f"{text} is not a JSON number; send a finite "
+                                                "number"}])
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 class RequestMetrics:

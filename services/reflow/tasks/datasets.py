@@ -37,7 +37,10 @@ class Row:
 
 def _text(value: object, field: str, index: int) -> str:
     if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
-        raise ValueError(f"{field}: row {index} holds {type(value).__name__}, not text or a number")
+        # JSON's names: the user wrote the file, not Python.
+        kind = {type(None): "null", bool: "a boolean", dict: "an object", list: "an array"}[
+            type(value)]
+        raise ValueError(f"{field}: row {index} holds {kind}, not text or a number")
     text = str(value)
     if len(text) > MAX_FIELD_CHARS:
         raise ValueError(f"{field}: row {index} is longer than {MAX_FIELD_CHARS} characters")

@@ -25,8 +25,11 @@ class Backend(Protocol):
 
     def restart(self, placement: Placement, name: str) -> None:
         """Start service `name` of a placement again, at the same address, after it
-        died; returns once it is healthy. Optional: on a backend without it (the
-        kubernetes one, so far) the job controller fails the job instead."""
+        died; returns once it is healthy. Local: a new process on the same port.
+        Kubernetes: waits for the pod to come back under its name (the StatefulSet
+        recreates it, the kubelet restarts the container) and starts the service on
+        it again (scheduler/kube_restart.py). Optional: where a backend lacks it, the
+        job controller fails the job instead."""
 
     def adopt(self, job_id: str) -> Placement | None:
         """Optional, where a job's services outlive the scheduler that placed them

@@ -1,8 +1,9 @@
 """One authorization table for every RPC: the role whose signed capability each
 control call needs, and the roles whose job pass each other call takes
-(reflow.rpcauth enforces it; the README's "Who may call what" is rendered from
-it by `python -m reflow.authz`). A method in neither table fails its server's
-start: a new RPC is never open by default.
+(reflow.rpcauth enforces it; the docs' "Who may call what" page is rendered from
+it when the docs are built, by reflow.docgen, and `python -m reflow.authz` prints
+the same table). A method in neither table fails its server's start: a new RPC
+is never open by default.
 """
 
 from __future__ import annotations
@@ -166,5 +167,5 @@ def authorization_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # the README's "Who may call what" table
+if __name__ == "__main__":  # the docs' "Who may call what" table
     print(authorization_markdown(), end="")

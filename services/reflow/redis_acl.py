@@ -4,9 +4,10 @@ only its own keys and the commands its store sends.
 `USERS` is the one table. Everything else is rendered from it: the ACL file the
 embedded Redis of `reflow run` starts with (replay/embedded.py), the chart's
 `_redis_acl.tpl` that the Redis StatefulSet builds its ACL file from
-(`python -m reflow.redis_acl --chart`), and the README's "Redis users" table
-(`python -m reflow.redis_acl`); tests keep both copies current and run every
-store operation as its user against a real Redis.
+(`python -m reflow.redis_acl --chart`; a test keeps that copy current), and the
+docs' "Redis users" page (rendered when the docs are built, by reflow.docgen;
+`python -m reflow.redis_acl` prints the same table). Tests also run every store
+operation as its user against a real Redis.
 
 - `replay`: the buffer's per-job keys (replay/store.py) and the job grants
   (core/grants.py). The buffer serves every rollout and trainer process; it cannot
@@ -175,7 +176,7 @@ def env_for(service: str, urls: dict[str, str]) -> dict[str, str]:
 
 
 def markdown() -> str:
-    """The README's "Redis users" table."""
+    """The "Redis users" table of the docs' reference."""
     lines = ["| user | holds | keys | commands |", "|---|---|---|---|"]
     for u in USERS:
         keys = ", ".join(f"`{k}`" for k in u.keys)

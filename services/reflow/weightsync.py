@@ -16,8 +16,8 @@ in the authenticated RPC that tells them where to meet (InitWeightSync,
 JoinGroup). A TCPStore has no authentication and cannot list its keys, so a
 party that reaches the store's port without the secret waits for peers that
 never come, and cannot read or overwrite the group's addresses (or NCCL's
-unique id). What it can still do, and what closes it, is in the README
-(weight sync's remaining risk).
+unique id). What it can still do, and what closes it, is in docs/operations/security.md
+("Weight-sync rendezvous").
 
 The worker-side functions run inside the vLLM worker process, called by name
 through `collective_rpc` (rollout/vllm_worker.py mixes them into vLLM's worker);

@@ -104,7 +104,7 @@ def _run_and_kill(tmp_path, tiny_model, service: str, kill_at: int, options=()):
 
 
 def _report(service: str, out: Path, killed_at: float) -> None:
-    """What the fault cost, for the README's fault table: seconds from the kill to
+    """What the fault cost, for docs/operations/faults.md's fault log: seconds from the kill to
     the next step recorded, and steps trained again. Appended as a JSON line to
     $REFLOW_FAULT_REPORT when set (a measurement, never asserted on)."""
     records = _records(out / "metrics.jsonl")
@@ -214,7 +214,7 @@ def test_a_killed_redis_comes_back_from_its_append_only_file_and_nothing_is_lost
     file; fsynced before each acknowledgement (`always`), it lost nothing, and the
     buffer's, the dispatcher's and the scheduler's clients ride the gap out on their
     retries: no service restarts, no step is trained again. (Under `everysec` a
-    crash can lose about the last second of writes: README, Durability.)"""
+    crash on a busy disk can lose up to ~2 s of them: docs/operations/faults.md.)"""
     out = _run_and_kill(tmp_path, tiny_model, "redis", kill_at=INTERVAL + 2,
                         options=("--redis-appendfsync", "always"))
     assert "embedded redis exited" in (tmp_path / "cli.log").read_text()

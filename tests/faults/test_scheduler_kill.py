@@ -124,7 +124,7 @@ def test_a_killed_scheduler_s_job_resumes_under_the_next_one(tmp_path, tiny_mode
         # (its parent's death) wrote at the step it reached.
         assert resumed_from >= killed_at_step - INTERVAL
         client.close()
-        # What the fault cost, for the README's fault table (never asserted on).
+        # What the fault cost, for REFLOW_FAULT_REPORT (docs/operations/faults.md; never asserted on).
         row = {"service": "scheduler", "killed_after_step": killed_at_step,
                "recovery_s": round(first_resumed[0]["recorded_at"] - killed_at, 2),
                "steps_lost": max(0, killed_at_step - resumed_from)}

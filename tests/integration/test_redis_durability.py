@@ -1,8 +1,8 @@
 """The embedded Redis's append-only file: each fsync policy reaches the server,
 anything else is refused naming the setting, and writes Redis acknowledged
 survive a SIGKILL of the server under either policy (what `always` adds is
-survival of a machine crash, which no test here can stage; README,
-"Durability")."""
+survival of a machine crash, which no test here can stage;
+docs/operations/faults.md, "Durability")."""
 
 from __future__ import annotations
 

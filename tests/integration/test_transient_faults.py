@@ -45,7 +45,7 @@ def own_redis(tmp_path):
     the same port and data dir. `always`: these tests count every acknowledged write
     after a SIGKILL, which `everysec` does not promise while another process loads the
     disk (Redis may then acknowledge a write up to 2 s before it reaches the file;
-    README, "Durability")."""
+    docs/operations/faults.md, "Durability")."""
     server = EmbeddedRedis(tmp_path / "redis", appendfsync="always").start()
     yield server
     server.stop()

@@ -186,7 +186,7 @@ def probe_ports(pods: dict[str, Endpoint]) -> list[tuple[int, str]]:
 def intended(pods: dict[str, Endpoint], src: str, dst: str, port: int, protocol: str,
              direction: str, *, api_from: set[str] | None = None,
              kube_api: set[str] | None = None, external_redis: int | None = None) -> bool:
-    """The matrix the chart promises (README "Network policy"), one side at a time:
+    """The matrix the chart promises (docs/kubernetes.md, "Network policy"), one side at a time:
     "Egress", what release pod `src` may open; "Ingress", what release pod `dst`
     accepts. Each side enforces the matrix on its own (egress mirrors ingress).
     `api_from`: the endpoints the API accepts (None: any source); `kube_api`: where

@@ -1,5 +1,5 @@
 """The Redis users' table (reflow/redis_acl.py) and what is rendered from it: the
-README's table, the chart's copy of the rules, the ACL file, and which process
+docs' table, the chart's copy of the rules, the ACL file, and which process
 gets which URL. Redis itself enforcing them: tests/integration/test_redis_acl.py."""
 
 from pathlib import Path
@@ -11,12 +11,14 @@ from reflow import redis_acl
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_table_is_the_one_in_redis_acl():
-    readme = (REPO / "README.md").read_text()
-    begin, end = "<!-- redis-users:begin -->\n", "<!-- redis-users:end -->"
-    table = readme[readme.index(begin) + len(begin):readme.index(end)]
-    assert table == redis_acl.markdown(), \
-        "README's table is stale: paste `python -m reflow.redis_acl` between its markers"
+def test_the_docs_table_is_the_one_in_redis_acl():
+    from reflow.docgen import authz as docs
+
+    page = docs.redis_page()
+    assert redis_acl.markdown() in page
+    for u in redis_acl.USERS:
+        assert f"| `{u.name}` | {u.holds} |" in page
+        assert all(f"`{c}`" in page for c in u.commands)
 
 
 def test_the_charts_copy_of_the_rules_is_current():

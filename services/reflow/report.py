@@ -57,14 +57,27 @@ def _first_use(records: list[dict[str, Any]]) -> dict[str, Any]:
             "first_use_tokens_per_s_mean": _mean([r["first_use_tokens_per_s"] for r in records])}
 
 
+# The k-sample metrics of an evaluation (trainer/evaluation.py), where a record has them.
+EVAL_METRICS = (("eval_pass_at_1", "pass@1"), ("eval_pass_at_k", "pass@k"),
+                ("eval_avg_at_k", "avg@k"), ("eval_maj_at_k", "maj@k"))
+EVAL_CURVES = (("eval_pass_at_1", "pass@1", "tab:red"), ("eval_pass_at_k", "pass@k", "tab:purple"),
+               ("eval_maj_at_k", "maj@k", "tab:brown"))
+
+
 def _eval_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     evals = [r for r in records if "eval_reward" in r]
     if not evals:
         return {}
-    return {"eval_reward_first": evals[0]["eval_reward"],
-            "eval_reward_first_version": evals[0]["eval_policy_version"],
-            "eval_reward_last": evals[-1]["eval_reward"],
-            "eval_reward_last_version": evals[-1]["eval_policy_version"]}
+    first, last = evals[0], evals[-1]
+    summary = {"eval_reward_first": first["eval_reward"],
+               "eval_reward_first_version": first["eval_policy_version"],
+               "eval_reward_last": last["eval_reward"],
+               "eval_reward_last_version": last["eval_policy_version"]}
+    # The last evaluation's pass@1, pass@k, avg@k and maj@k (and its k), where it has them.
+    if "eval_k" in last:
+        summary["eval_k"] = last["eval_k"]
+    summary.update({f"{key}_last": last[key] for key, _ in EVAL_METRICS if key in last})
+    return summary
 
 
 def plot(records: list[dict[str, Any]], out: str | Path, title: str = "") -> None:
@@ -80,6 +93,13 @@ def plot(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Non
     evals = [(r["wall_time_s"], r["eval_reward"]) for r in records if "eval_reward" in r]
     if evals:
         ax_r.plot(*zip(*evals), color="tab:orange", marker="o", label="held-out (eval)")
+        # pass@1, pass@k and maj@k beside it (avg@k is eval_reward when no reward failed).
+        for key, name, color in EVAL_CURVES:
+            points = [(r["wall_time_s"], r[key], r["eval_k"]) for r in records if key in r]
+            if points:
+                t_eval, values, ks = zip(*points)
+                ax_r.plot(t_eval, values, color=color, marker=".", linestyle="--",
+                          label=f"held-out {name.replace('@k', f'@{ks[-1]}')}")
         ax_r.legend(loc="best")
     ax_r.set_ylabel("reward")
     ax_r.grid(alpha=0.3)

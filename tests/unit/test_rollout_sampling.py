@@ -101,7 +101,7 @@ def test_evaluation_samples_greedily_or_with_the_training_law(monkeypatch):
         return [score(prompt, t) for t in texts]
 
     monkeypatch.setattr(evaluation, "score_texts", score_texts)
-    asyncio.run(evaluation.run_evaluation(worker, 1, greedy=True))
-    asyncio.run(evaluation.run_evaluation(worker, 1, greedy=False))
+    asyncio.run(evaluation.run_evaluation(worker, evaluation.EvalPlan(1, greedy=True)))
+    asyncio.run(evaluation.run_evaluation(worker, evaluation.EvalPlan(1, greedy=False)))
     assert (laws[0].temperature, laws[0].top_p, laws[0].top_k) == (0.0, 1.0, 0)
     assert (laws[1].temperature, laws[1].top_p, laws[1].top_k) == (0.5, 0.9, 7)

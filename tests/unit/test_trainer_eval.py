@@ -3,12 +3,15 @@ goes), and the guard that keeps a non-finite gradient out of the weights."""
 
 import math
 import threading
+from dataclasses import replace
 
+import pytest
 import torch
 
 from reflow.core.config import parse_job_spec
 from reflow.core.errors import FailedPrecondition
 from reflow.core.types import Batch
+from reflow.rollout.eval_metrics import PromptOutcome
 from reflow.rollout.evaluation import EvalResult
 from reflow.trainer.evaluation import PeriodicEval
 from tests.unit.test_micro_batches import _loop, _trajectories
@@ -18,8 +21,9 @@ class Rollout:
     def __init__(self, standby=False, gate=None):
         self.standby, self.gate, self.calls = standby, gate, []
 
-    def evaluate(self, job_id, num_prompts, greedy, deadline_s):
-        self.calls.append((num_prompts, greedy))
+    def evaluate(self, job_id, plan, deadline_s):
+        num_prompts = plan.num_prompts
+        self.calls.append((num_prompts, plan.greedy))
         if self.standby:
             raise FailedPrecondition("rollout worker stands by")
         if self.gate is not None:
@@ -56,6 +60,53 @@ def test_an_evaluation_still_running_is_not_queued_behind():
     assert fields["eval_reward"] == 0.25 and fields["eval_policy_version"] == 0
     assert len(rollout.calls) == 1
     evals.close()
+
+
+class KSamples(Rollout):
+    """Three prompts, four samples each: 2, 0 and 4 correct; the vote right on the first."""
+
+    def evaluate(self, job_id, plan, deadline_s):
+        self.calls.append(plan)
+        prompts = (PromptOutcome(4, 2, 2.0, 0, True), PromptOutcome(3, 0, 0.6, 1, False),
+                   PromptOutcome(4, 4, 4.0, 0, False))
+        return EvalResult(6.6 / 11, 11, 1, 0, 0.1, k=plan.k, prompts=prompts, voted=True)
+
+
+def test_a_record_carries_pass_avg_and_maj_at_k():
+    spec = parse_job_spec({"model": {"path": "/m"}, "eval": {
+        "interval": 1, "num_prompts": 3, "k": 4, "pass_k": [2], "correct_threshold": 0.5}})
+    rollout = KSamples()
+    evals = PeriodicEval("j", spec, [rollout])
+    evals.maybe_start(0)
+    fields = evals.take(wait_s=5)
+    evals.close()
+    plan = rollout.calls[0]
+    assert (plan.k, plan.greedy, plan.correct_threshold, plan.temperature) == (4, False, 0.5, 0)
+    assert fields["eval_k"] == 4 and fields["eval_reward"] == 6.6 / 11
+    assert fields["eval_pass_at_1"] == pytest.approx((2 / 4 + 0 + 1) / 3)
+    assert fields["eval_pass_at_2"] == pytest.approx((1 - 1 / 6 + 0 + 1) / 3)
+    assert fields["eval_pass_at_k"] == pytest.approx(2 / 3)
+    assert fields["eval_avg_at_k"] == pytest.approx((0.5 + 0.2 + 1.0) / 3)
+    assert fields["eval_maj_at_k"] == pytest.approx(1 / 3)
+
+
+def test_a_task_without_answers_gets_no_maj_at_k():
+    rollout = Rollout()  # a result without per-prompt counts: the fields before k
+    evals = PeriodicEval("j", _spec(1), [rollout])
+    evals.maybe_start(0)
+    fields = evals.take(wait_s=5)
+    evals.close()
+    assert "eval_pass_at_1" not in fields and "eval_maj_at_k" not in fields
+
+    class NoVote(KSamples):
+        def evaluate(self, job_id, plan, deadline_s):
+            return replace(super().evaluate(job_id, plan, deadline_s), voted=False)
+
+    evals = PeriodicEval("j", _spec(1), [NoVote()])
+    evals.maybe_start(0)
+    fields = evals.take(wait_s=5)
+    evals.close()
+    assert fields["eval_pass_at_1"] == pytest.approx(0.5) and "eval_maj_at_k" not in fields
 
 
 def test_without_an_interval_nothing_is_evaluated():

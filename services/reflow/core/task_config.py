@@ -10,6 +10,10 @@ from reflow.core.sections import PluginArgs, _Section
 
 
 MiB, GiB = 1 << 20, 1 << 30
+# Samples per held-out prompt, and per evaluation (prompts x k): an evaluation
+# generates beside training and must end well within its deadline.
+MAX_EVAL_K = 256
+MAX_EVAL_SAMPLES = 65_536
 
 
 class RewardLimits(_Section):
@@ -94,7 +98,9 @@ class TaskConfig(_Section):
 
 class EvalConfig(_Section):
     """Periodic evaluation on the task's held-out split (rollout/evaluation.py): on
-    a rollout worker beside training, so training does not wait for it."""
+    a rollout worker beside training, so training does not wait for it. Each
+    held-out prompt gets `k` samples; the record reports pass@1, pass@k, avg@k
+    and, for a task that gives final answers, maj@k (rollout/eval_metrics.py)."""
 
     interval: int = Field(
         default=0, ge=0, le=1_000_000,
@@ -103,9 +109,57 @@ class EvalConfig(_Section):
     )
     num_prompts: int = Field(
         default=32, ge=1, le=4096,
-        description="Held-out prompts per evaluation, one sample each.",
+        description="Held-out prompts per evaluation, `k` samples each.",
     )
-    greedy: bool = Field(
-        default=True,
-        description="Greedy decoding; false: the job's sampling temperature.",
+    k: int = Field(
+        default=1, ge=1, le=MAX_EVAL_K,
+        description="Samples per held-out prompt (n of the pass@k estimator): pass@1, "
+        "pass@k, avg@k and maj@k are computed from them. Above 1 they are sampled "
+        "(distinct seeds); multi-turn tasks play k episodes per prompt.",
     )
+    pass_k: list[int] = Field(
+        default_factory=list, max_length=8,
+        description="Further k' (1 to k) whose pass@k' is reported from the same k samples, "
+        "besides pass@1 and pass@k: [2, 4] adds eval_pass_at_2 and eval_pass_at_4.",
+    )
+    greedy: bool | None = Field(
+        default=None,
+        description="Greedy decoding (temperature 0); false: sampled at `temperature`. "
+        "Unset: greedy when k is 1 and no temperature is set, sampled otherwise.",
+    )
+    temperature: float | None = Field(
+        default=None, gt=0.0, le=4.0,
+        description="Temperature of sampled evaluations; unset: the job's "
+        "rollout.temperature (with its top_p and top_k either way).",
+    )
+    correct_threshold: float = Field(
+        default=1.0, ge=-1e6, le=1e6,
+        description="A sample is correct (pass@k, maj@k) when its reward is at least this: "
+        "1.0 fits tasks that score 1 for a right answer (math, reasoning-gym's exact "
+        "answers, repeat); lower it for a task with partial credit.",
+    )
+
+    @property
+    def sampled(self) -> bool:
+        """Whether evaluation samples (at `temperature`) rather than decodes greedily."""
+        if self.greedy is not None:
+            return not self.greedy
+        return self.k > 1 or self.temperature is not None
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> EvalConfig:
+        if self.greedy and self.k > 1:
+            raise ValueError("eval.greedy: k > 1 needs sampling (greedy decoding gives k "
+                             "identical samples); set eval.greedy=false or leave it unset")
+        if self.greedy and self.temperature is not None:
+            raise ValueError("eval.temperature: greedy decoding takes no temperature; set "
+                             "eval.greedy=false or unset eval.temperature")
+        for j in self.pass_k:
+            if not 1 <= j <= self.k:
+                raise ValueError(f"eval.pass_k: {j} is not in 1 to eval.k ({self.k}): pass@k' "
+                                 "needs at least k' samples per prompt")
+        if self.num_prompts * self.k > MAX_EVAL_SAMPLES:
+            raise ValueError(f"eval.k: {self.num_prompts} prompts x {self.k} samples is over "
+                             f"{MAX_EVAL_SAMPLES} samples per evaluation; lower eval.k or "
+                             "eval.num_prompts")
+        return self

@@ -137,16 +137,23 @@ class GrpcRolloutClient:
         return [SampleEvent(e.seq, e.group_id, e.sample_index, e.response_tokens,
                             e.prompt_tokens, e.policy_version, e.error) for e in reply.events]
 
-    def evaluate(self, job_id: str, num_prompts: int, greedy: bool,
-                 deadline_s: float = 600.0):
-        """Score the task's held-out split on this worker (periodic evaluation)."""
+    def evaluate(self, job_id: str, plan, deadline_s: float = 600.0):
+        """Score the task's held-out split on this worker as `plan` (an EvalPlan)
+        says (periodic evaluation)."""
+        from reflow.rollout.eval_metrics import PromptOutcome
         from reflow.rollout.evaluation import EvalResult
         from reflow.v1 import rollout_pb2
 
-        req = rollout_pb2.EvaluateRequest(job_id=job_id, num_prompts=num_prompts, greedy=greedy)
+        req = rollout_pb2.EvaluateRequest(
+            job_id=job_id, num_prompts=plan.num_prompts, greedy=plan.greedy, k=plan.k,
+            temperature=plan.temperature, correct_threshold=plan.correct_threshold)
         m = self._stub.Evaluate(req, timeout=deadline_s)
-        return EvalResult(m.reward_mean, m.num_samples, m.num_errors, m.policy_version,
-                          m.seconds)
+        return EvalResult(
+            m.reward_mean, m.num_samples, m.num_errors, m.policy_version, m.seconds,
+            k=m.k or 1, voted=m.voted,
+            prompts=tuple(PromptOutcome(o.num_scored, o.num_correct, o.reward_sum,
+                                        o.num_errors, o.majority_correct)
+                          for o in m.prompts))
 
     def close(self) -> None:
         self._channel.close()
@@ -175,6 +182,9 @@ class InprocRolloutClient:
                             c.kv_cache_tokens, c.concurrency_cap,
                             c.engine_busy_seconds_total, c.engine_decode_steps_total,
                             c.filtered_groups_total)
+
+    def evaluate(self, job_id: str, plan, deadline_s: float = 600.0):
+        return self.service.evaluate(job_id, plan, deadline_s)
 
     def close(self) -> None:
         pass

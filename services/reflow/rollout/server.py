@@ -8,6 +8,7 @@ import grpc
 from reflow import rpc
 from reflow.core.config import JobSpec
 from reflow.rollout.engine import WeightSyncSpec
+from reflow.rollout.evaluation import EvalPlan
 from reflow.rollout.service import RolloutService
 from reflow.tasks import Prompt
 from reflow.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -98,12 +99,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             for e in events])
 
     def Evaluate(self, request, context):
-        result = self.service.evaluate(request.job_id, request.num_prompts, request.greedy,
-                                       rpc.wait_budget_s(context))
+        plan = EvalPlan(num_prompts=request.num_prompts, greedy=request.greedy,
+                        k=request.k or 1, temperature=request.temperature,
+                        correct_threshold=request.correct_threshold)
+        result = self.service.evaluate(request.job_id, plan, rpc.wait_budget_s(context))
         return rollout_pb2.EvaluateReply(
             reward_mean=result.reward_mean, num_samples=result.num_samples,
             num_errors=result.num_errors, policy_version=result.policy_version,
-            seconds=result.seconds)
+            seconds=result.seconds, k=result.k, voted=result.voted,
+            prompts=[rollout_pb2.EvalPromptOutcome(
+                num_scored=o.num_scored, num_correct=o.num_correct, reward_sum=o.reward_sum,
+                num_errors=o.num_errors, majority_correct=o.majority_correct)
+                for o in result.prompts])
 
 
 SERVICE_NAME = "reflow.v1.Rollout"

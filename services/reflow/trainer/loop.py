@@ -43,6 +43,7 @@ from reflow.trainer.publish import WeightPublisher
 from reflow.trainer.records import step_record
 from reflow.trainer.schedule import set_learning_rate
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
+from reflow.tracking import open_trackers
 
 RECENT_METRICS_STEPS = 4096
 # An engine's stats may fail this many polls in a row (each after the channel's
@@ -148,6 +149,12 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.sharded = False
         self.root: torch.nn.Module | None = None
         self._final_state: dict[str, torch.Tensor] | None = None
+        # Experiment trackers (reflow.tracking), fed from a background thread; only
+        # the trainer that writes metrics.jsonl (never a replica) logs.
+        self.tracking = open_trackers(
+            job_id, spec, self.run_dir if replay is not None else None,
+            on_error=getattr(metrics, "tracker_error", None),
+            on_drop=getattr(metrics, "tracker_drop", None))
 
     def stop(self) -> None:
         self._stop.set()
@@ -341,6 +348,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
                 record["resumed_from_step"] = self.resume_from.step
                 record["superseded_steps"] = self.superseded_steps
             self._emit(record)
+            if self.tracking is not None:
+                self.tracking.log_generations(self.step, batch.trajectories, self.tokenizer)
             self._mid_step = False
             # After the step's record: a checkpoint of step N always has N's record.
             checkpoint_s = 0.0
@@ -537,6 +546,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
         if self.run_dir is not None:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tracking is not None:
+            self.tracking.log_record(record)
 
     def save(self, path: Path) -> None:
         if self.root is not None:
@@ -549,5 +560,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.evals.close()
+        if self.tracking is not None:
+            self.tracking.close()  # flushes, waiting tracking.close_timeout_s at most
         if self.root is not None and self.group is not None:
             self.group.close()  # this process's default group: the next job may need it

@@ -75,6 +75,21 @@ class TrainerMetrics:
             ["job_id"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
         self.checkpoints = Counter("reflow_trainer_checkpoints_total",
                                    "Checkpoints committed.", ["job_id"], registry=r)
+        # reflow.tracking: experiment trackers fed from a background thread.
+        self.tracker_errors = Counter(
+            "reflow_trainer_tracker_errors_total",
+            "Experiment tracker calls that raised (a tracker that failed to start counts one "
+            "and is disabled).", ["backend"], registry=r)
+        self.tracker_dropped = Counter(
+            "reflow_trainer_tracker_dropped_records_total",
+            "Records dropped because the experiment trackers' queue was full "
+            "(tracking.queue_size).", registry=r)
+
+    def tracker_error(self, backend: str) -> None:
+        self.tracker_errors.labels(backend).inc()
+
+    def tracker_drop(self) -> None:
+        self.tracker_dropped.inc()
 
     def observe_checkpoint(self, job_id: str, size: int, write_s: float, stage_s: float) -> None:
         self.checkpoint_bytes.labels(job_id).set(size)

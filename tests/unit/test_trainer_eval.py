@@ -129,3 +129,26 @@ def test_a_non_finite_gradient_leaves_the_weights_as_they_were(tiny_model):
     trajectories[3].advantage = 0.5
     loop._train_step(Batch(lease_id="l", trajectories=trajectories))
     assert any(not torch.equal(p, before[n]) for n, p in loop.model.named_parameters())
+
+
+def test_the_latest_evaluation_s_scores_are_gauges_and_maj_at_k_only_where_a_task_votes():
+    from reflow.trainer.metrics import TrainerMetrics
+
+    base = {"step_time_s": 1.0, "trained_tokens": 10, "trainer_tokens_per_s": 10.0,
+            "trainer_idle_ratio": 0.0, "rollout_idle_ratio": 0.0, "policy_version": 2,
+            "weight_sync_s": 0.0, "reward_mean": 0.5, "replay_fraction": 0.0,
+            "max_staleness": 0}
+    metrics = TrainerMetrics()
+    metrics.observe("j", {**base, "eval_reward": 0.25, "eval_policy_version": 2,
+                          "eval_pass_at_1": 0.25, "eval_pass_at_k": 0.5, "eval_maj_at_k": 0.375})
+    metrics.observe("k", {**base, "eval_reward": 0.1, "eval_policy_version": 2,
+                          "eval_pass_at_1": 0.1, "eval_pass_at_k": 0.3})
+    registry = metrics.registry
+
+    def score(job, metric):
+        return registry.get_sample_value("reflow_trainer_eval_score_ratio",
+                                         {"job_id": job, "metric": metric})
+
+    assert (score("j", "pass_at_1"), score("j", "pass_at_k"), score("j", "maj_at_k")) == \
+        (0.25, 0.5, 0.375)
+    assert score("k", "pass_at_k") == 0.3 and score("k", "maj_at_k") is None

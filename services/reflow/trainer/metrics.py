@@ -55,6 +55,10 @@ class TrainerMetrics:
         self.eval_reward = Gauge("reflow_trainer_eval_reward_mean",
                                  "Mean reward on the task's held-out split, latest evaluation "
                                  "(eval.interval).", ["job_id"], registry=r)
+        self.eval_scores = Gauge("reflow_trainer_eval_score_ratio",
+                                 "Latest evaluation's pass@1, pass@k and maj@k (maj@k only for "
+                                 "tasks with a final answer; eval.k).", ["job_id", "metric"],
+                                 registry=r)
         self.eval_version = Gauge("reflow_trainer_eval_policy_version",
                                   "Policy version the latest evaluation scored.", ["job_id"],
                                   registry=r)
@@ -117,4 +121,7 @@ class TrainerMetrics:
         if "eval_reward" in record:
             self.eval_reward.labels(job_id).set(record["eval_reward"])
             self.eval_version.labels(job_id).set(record["eval_policy_version"])
+            for metric in ("pass_at_1", "pass_at_k", "maj_at_k"):
+                if f"eval_{metric}" in record:
+                    self.eval_scores.labels(job_id, metric).set(record[f"eval_{metric}"])
         self.reference_bytes.labels(job_id).set(record.get("reference_model_bytes", 0))

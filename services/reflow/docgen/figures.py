@@ -3,8 +3,8 @@
 A figure carries a marker right after it, no space between:
 `3.03×<!-- fig bench/sim/modes_32gpus.json 32.reflow.throughput_tokens_per_s/32.sync.throughput_tokens_per_s .2f -->`
 that is `<!-- fig PATH KEY [FORMAT] -->`: PATH a JSON file relative to the repository
-root, which git keeps (tracked, or new and not ignored: never a gitignored output
-such as bench/out/); KEY a dotted path into it (list indices as numbers, a space
+root, committed to git (never a gitignored output such as bench/out/, nor a file
+not yet committed); KEY a dotted path into it (list indices as numbers, a space
 in a key written `%20`), or two such paths `A/B` for a ratio of committed values; FORMAT an optional Python
 format spec (`,.0f`, `.2f`, `.0%`). Without FORMAT the number is compared at the
 decimals it shows. The check:
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
+import subprocess  # nosec B404 # git ls-files, an argv list, no shell
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,13 +56,15 @@ class Problem:
 
 
 def git_files(root: Path) -> frozenset[str]:
-    """Paths git keeps under `root`: tracked, or new and not ignored."""
+    """Paths committed to git under `root` (its index)."""
     return _git_files(str(root.resolve()))
 
 
 @lru_cache(maxsize=4)
 def _git_files(root: str) -> frozenset[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+    # Committed files only: a figure's source must be in the repository (a JSON
+    # written but not committed fails until it is).
+    out = subprocess.run(["git", "ls-files", "--cached", "-z"],  # nosec B603 B607 # fixed argv
                          cwd=root, capture_output=True, check=True).stdout
     return frozenset(p for p in out.decode().split("\0") if p)
 

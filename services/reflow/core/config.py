@@ -289,9 +289,13 @@ class JobSpec(_Section):
         "and ReFlow itself, on the same code paths.",
     )
     name: str = Field(
-        default="job", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+        default="job", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="The job's name (a DNS label: lower-case letters, digits and '-'); it "
+        "prefixes the job id and the local run directory.",
     )
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1,
+                      description="Seeds the trainer's torch generator and the task (its "
+                      "prompt order and held-out split).")
     model: ModelConfig
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

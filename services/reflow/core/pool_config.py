@@ -23,7 +23,7 @@ class RoleFlip(_Section):
                          "carried out at the next sync boundary.")
     worker: int = Field(ge=1, le=4095, description="Worker index (0 holds trainer rank 0 "
                         "and keeps it).")
-    role: Literal["rollout", "trainer"]
+    role: Literal["rollout", "trainer"] = Field(description="The role the worker moves to.")
 
 
 class ClusterConfig(_Section):

@@ -23,7 +23,8 @@ Calibration (reflow/sim/calibrate.py), all measured here:
 - response lengths: a quantile function through sync's batches' p10, p50, p90
   and longest (sync trains every sample it generated, so its batches are the
   lengths as drawn);
-- the weight sync: each mode's measured seconds a step.
+- the weight sync: each mode's measured seconds a step (the JSON's `sync`, which
+  bench/sim_heldout.py carries from one workload to another).
 The dispatcher, buffer, δ, σ, τ, the budget and every mode's settings are the
 product's own, as in `reflow sim`. Two cores are two GPUs: the disaggregated
 modes one engine and a one-GPU trainer, sync one engine (of two GPUs) and a
@@ -189,15 +190,19 @@ def calibrated(job: dict, runs: dict[str, list[list[dict]]], engines: dict[str, 
     return configs, slowdowns
 
 
-def simulate(job: dict, costs: dict, modes: list[str], sync_records: dict[str, list[dict]],
-             seeds: list[int], out: Path) -> dict[str, list[dict]]:
-    from reflow.sim import calibrate
+def simulate(job: dict, costs: dict, modes: list[str], sync: dict[str, dict],
+             seeds: list[int], out: Path, client=None) -> dict[str, list[dict]]:
+    """Each mode's summary per seed: `costs` (one placement's) with the mode's
+    weight sync (`sync[mode]`, a SyncCost mapping). With a Redis `client`, every
+    run on it and without a report.png (many short runs: a Redis each and the
+    plots would take most of their time)."""
     from reflow.sim.command import simulate as run_sim
     from reflow.sim.costs import SimConfig
+    from reflow.sim.run import Simulation
 
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for mode in modes:
-        mode_costs = {**costs, "sync": calibrate.sync_cost(sync_records[mode]).model_dump()}
+        mode_costs = {**costs, "sync": sync[mode]}
         for seed in seeds:
             # The benchmark's job is not elastic: one engine, one trainer, no pool
             # for Algorithm 1 to move (two units have one split anyway).
@@ -207,7 +212,11 @@ def simulate(job: dict, costs: dict, modes: list[str], sync_records: dict[str, l
                 "job": sim_job, "rollout_fraction": 0.5,
                 "steps": job["trainer"]["num_steps"], "warmup_steps": WARMUP_STEPS,
                 "seed": seed, "costs": mode_costs})
-            summary = run_sim(config, [2], [mode], out / f"seed{seed}")["2"][mode]
+            if client is None:
+                summary = run_sim(config, [2], [mode], out / f"seed{seed}")["2"][mode]
+            else:
+                summary = Simulation(config, mode, 2, client, out / f"seed{seed}" / mode,
+                                     report=False).run()
             results[mode].append(summary)
     return results
 
@@ -251,13 +260,14 @@ def validate(runs_dirs: list[Path], out: Path, seeds: list[int], workloads: list
         runs = {e: runs_of(runs_dir, workload, e) for e in modes}
         prompt_len = prompt_tokens(job, model)
         costs, slowdowns = calibrated(job, runs, engines, parameters_of(model), prompt_len)
-        sync_records = {e: [r for run in rs for r in run[WARMUP_STEPS:]]
-                        for e, rs in runs.items()}
+        from reflow.sim import calibrate
+
+        sync = {e: calibrate.sync_cost([r for run in rs for r in run[WARMUP_STEPS:]]).model_dump()
+                for e, rs in runs.items()}
         split = [m for m in DISAGGREGATED if m in modes]
-        sim = {**simulate(job, costs["colocated"], ["sync"], sync_records, seeds,
+        sim = {**simulate(job, costs["colocated"], ["sync"], sync, seeds,
                           out / workload / "colocated"),
-               **simulate(job, costs["split"], split, sync_records, seeds,
-                          out / workload / "split")}
+               **simulate(job, costs["split"], split, sync, seeds, out / workload / "split")}
         measured = measured_all["entries"]
         rows = {}
         for mode in modes:
@@ -276,7 +286,7 @@ def validate(runs_dirs: list[Path], out: Path, seeds: list[int], workloads: list
                 "simulated_trainer_idle": _spread([s["trainer_idle_ratio"] for s in sim[mode]]),
             }
         report["workloads"][workload] = {"model": model.name, "prompt_tokens": prompt_len,
-                                         "costs": costs, "modes": rows,
+                                         "costs": costs, "sync": sync, "modes": rows,
                                          "engine_in_job_slowdown": slowdowns,
                                          "generation_share_of_sync_step":
                                          measured_all["generation_share_of_sync_step"]}

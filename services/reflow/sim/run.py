@@ -129,8 +129,10 @@ class Simulation:
         events.unlink(missing_ok=True)
         self.dispatcher = Dispatcher(JOB_ID, spec, self.replay, self.engines, SimTask(),
                                      clock=self.clock,
+                                     # Only the elastic pool has engines that start in
+                                     # the trainer's role; without it every engine serves.
                                      standby=[n for i, n in enumerate(names)
-                                              if n in self.engines
+                                              if planner is not None and n in self.engines
                                               and spec.cluster.initial_role(i) == "trainer"],
                                      events_path=events if planner is not None else None,
                                      new_group_id=lambda: f"g{next(group_ids):08d}")

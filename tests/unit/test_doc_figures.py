@@ -89,3 +89,21 @@ def test_formats_ratios_and_spaces_in_keys():
     assert figures.lookup({"mutual TLS": {"a": [1, 2]}}, "mutual%20TLS.a.1") == 2
     assert figures.check_marker(REPO, "the table", MODES_32, "32.sync.gpus", None, files) \
         == f"no number right before the marker for {MODES_32} 32.sync.gpus"
+
+
+def test_write_rewrites_a_stale_figure_from_its_json_and_the_check_then_holds():
+    from pathlib import Path
+
+    from reflow.docgen import figures
+
+    repo = Path(__file__).resolve().parents[2]
+    files = figures.git_files(repo)
+    marker = "<!-- fig bench/sim/modes_32gpus.json 32.sync.throughput_tokens_per_s ,.0f -->"
+    stale = f"sync: 1,234 tok/s{marker}, and 5{marker} too\n```\n9{marker}\n```\n"
+    text, changed = figures.rewrite_page(repo, stale, files)
+    assert changed == 2
+    assert figures.check_page(repo, "docs/benchmarks/x.md", text, measured=False,
+                              files=files) == []
+    assert "9<!--" in text  # a marker in a code block is an example, left alone
+    again, changed = figures.rewrite_page(repo, text, files)
+    assert (again, changed) == (text, 0)

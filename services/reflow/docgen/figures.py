@@ -1,7 +1,7 @@
 """Measured figures in the docs cannot drift from the data that backs them.
 
 A figure carries a marker right after it, no space between:
-`3.03×<!-- fig bench/sim/modes_32gpus.json 32.reflow.throughput_tokens_per_s/32.sync.throughput_tokens_per_s .2f -->`
+`2.96×<!-- fig bench/sim/modes_32gpus.json 32.reflow.throughput_tokens_per_s/32.sync.throughput_tokens_per_s .2f -->`
 that is `<!-- fig PATH KEY [FORMAT] -->`: PATH a JSON file relative to the repository
 root, committed to git (never a gitignored output such as bench/out/, nor a file
 not yet committed); KEY a dotted path into it (list indices as numbers, a space
@@ -15,7 +15,9 @@ decimals it shows. The check:
   followed by a unit: ×, %, s, ms, tok/s, GB, ...) outside code and without a
   marker is an error: a figure typed by hand.
 
-`python -m reflow.docgen.figures` checks the repository and prints each problem.
+`python -m reflow.docgen.figures` checks the repository and prints each problem;
+`--write`, after a benchmark was run again and its JSON committed, rewrites each
+marked number from its JSON (the prose around it stays the author's to reread).
 It knows the marker's grammar, not what any benchmark measures.
 """
 
@@ -167,6 +169,35 @@ def check_page(root: Path, page: str, text: str, measured: bool,
     return problems
 
 
+def rewrite_page(root: Path, text: str, files: frozenset[str]) -> tuple[str, int]:
+    """`text` with every marked number that no longer matches its JSON written
+    from it, and how many were; a marker whose JSON cannot be read is left."""
+    fenced, changed, out = None, 0, []
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if m:
+            fenced = None if fenced == m.group(1) else (fenced or m.group(1))
+        elif fenced is None:
+            # Right to left, so the positions of the markers not yet seen hold.
+            for marker in reversed(list(MARKER.finditer(line))):
+                before = line[:marker.start()]
+                figure = _FIGURE.search(before)
+                if figure is None or check_marker(root, before, marker["path"], marker["key"],
+                                                  marker["fmt"], files) is None:
+                    continue
+                try:
+                    value = lookup(_load(str((root / marker["path"]).resolve())),
+                                   marker["key"])
+                    want = expected_text(value, figure["number"].replace("−", "-"),
+                                         marker["fmt"])
+                except (KeyError, ValueError, TypeError, ZeroDivisionError, OSError):
+                    continue
+                line = line[:figure.start("number")] + want + line[figure.end("number"):]
+                changed += 1
+        out.append(line)
+    return "\n".join(out), changed
+
+
 def check_tree(root: Path) -> list[Problem]:
     """docs/**/*.md and README.md; docs/benchmarks/*.md also for unmarked figures."""
     root = root.resolve()
@@ -180,8 +211,15 @@ def check_tree(root: Path) -> list[Problem]:
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parents[3]
+    if "--write" in (sys.argv[1:] if argv is None else argv):
+        files = git_files(root)
+        for page in sorted((root / "docs").rglob("*.md")) + [root / "README.md"]:
+            text, changed = rewrite_page(root, page.read_text(), files)
+            if changed:
+                page.write_text(text)
+                print(f"{page.relative_to(root)}: {changed} figure(s) rewritten")
     problems = check_tree(root)
     for p in problems:
         print(p)

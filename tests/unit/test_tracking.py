@@ -302,6 +302,12 @@ def test_the_tracking_section_defaults_to_off_and_errors_name_the_field(monkeypa
         ({"wandb_api_key": "x"}, "tracking.wandb_api_key: unknown field"),
         ({"mlflow_tracking_uri": "https://u:secret@mlflow.example"},
          "tracking.mlflow_tracking_uri: credentials do not belong in the spec"),
+        ({"mlflow_tracking_uri": "file:///etc/reflow"},
+         "tracking.mlflow_tracking_uri: file scheme; a spec names an MLflow server"),
+        ({"mlflow_tracking_uri": "sqlite:////var/lib/x.db"},
+         "tracking.mlflow_tracking_uri: sqlite scheme"),
+        ({"mlflow_tracking_uri": "/tmp/mlruns"},
+         "tracking.mlflow_tracking_uri: no scheme"),
     ]
     for tracking, message in cases:
         with pytest.raises(JobSpecError, match=message.replace("(", r"\(").replace(".", r"\.")):

@@ -101,7 +101,8 @@ class TrackingConfig(_Section):
         "in a generations table.")
     mlflow_tracking_uri: str | None = Field(
         default=None, min_length=1, max_length=2048,
-        description="MLflow tracking URI (`http://mlflow:5000`, `sqlite:///...`). None: a "
+        description="MLflow tracking server (`http://mlflow:5000`; http or https only: a "
+        "spec names no path on the trainer's machine). None: a "
         "local file store in <run_dir>/mlflow. The trainer's REFLOW_MLFLOW_TRACKING_URI or "
         "MLFLOW_TRACKING_URI, when set, takes precedence; credentials go in the "
         "environment (MLFLOW_TRACKING_TOKEN), never here.")
@@ -145,7 +146,18 @@ class TrackingConfig(_Section):
     @field_validator("mlflow_tracking_uri")
     @classmethod
     def _no_credentials(cls, uri: str | None) -> str | None:
-        if uri is not None and (urlsplit(uri).username or urlsplit(uri).password):
+        if uri is None:
+            return uri
+        scheme = urlsplit(uri).scheme.lower()
+        if scheme not in ("http", "https") or not urlsplit(uri).hostname:
+            # A file: or sqlite: URI would write wherever the trainer can; the local
+            # store is the run directory's, and an operator who wants another sets
+            # REFLOW_MLFLOW_TRACKING_URI on the trainer.
+            raise ValueError(f"tracking.mlflow_tracking_uri: {scheme or 'no'} scheme; a spec "
+                             "names an MLflow server (http:// or https:// with a host). Leave "
+                             "it unset for a local store in the run directory; the operator "
+                             "sets REFLOW_MLFLOW_TRACKING_URI for any other store")
+        if urlsplit(uri).username or urlsplit(uri).password:
             raise ValueError("tracking.mlflow_tracking_uri: credentials do not belong in the "
                              "spec; give them to the trainer as MLFLOW_TRACKING_USERNAME/"
                              "MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN")

@@ -41,6 +41,42 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive, max_bytes: int | None = None) -> bytes | None:
+    """The whole request body (None if the client went away); _TooLarge past
+    `max_bytes`."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive):
+    """A `receive` that hands the app `body` (already read) first, then the
+    connection's own messages (a disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 async def _reject(send, status: int, detail: str, headers: list | None = None,
                   errors: list[dict] | None = None) -> None:
     payload = json.dumps({"detail": detail, **({"errors": errors} if errors else {})}).encode()
@@ -71,29 +107,12 @@ class BodySizeLimit:
             if too_big:
                 return await self._too_large(send)
         # Read the body up front (it is at most max_body_bytes) and replay it.
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return await self._too_large(send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        try:
+            body = await _read_body(receive, self.max_body_bytes)
+        except _TooLarge:
+            return await self._too_large(send)
+        if body is not None:
+            await self.app(scope, _replaying(body, receive), send)
 
     async def _too_large(self, send) -> None:
         await _reject(send, 413, f"request body exceeds {self.max_body_bytes} bytes; "
@@ -142,15 +161,9 @@ class JsonBody:
                 or not scope["path"].startswith(self.prefix)):
             return await self.app(scope, receive, send)
         # Bounded: BodySizeLimit, before this, refused a body over the cap.
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await _read_body(receive)
+        if body is None:
+            return
         if body.strip():
             ctype = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
             media = ctype.partition(";")[0].strip().lower()
@@ -169,16 +182,7 @@ class JsonBody:
                                                 "JSON number; send a finite number", errors=[
                     {"field": field, "message": f"{text} is not a JSON number; send a finite "
                                                 "number"}])
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, _replaying(body, receive), send)
 
 
 class RequestMetrics:

@@ -49,4 +49,9 @@ class WandbTracker(Tracker):
         self.run.log({"generations": table}, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # Its service process too, now: the job's end takes down this process's
+        # tree, and a service still up would leave W&B's exit hook a dead socket.
+        wandb.teardown()

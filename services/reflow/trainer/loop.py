@@ -557,10 +557,16 @@ class TrainLoop(GroupMembership, WeightPublisher):
             self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
 
+    def close_tracking(self) -> None:
+        """Flush and close the trackers (waiting tracking.close_timeout_s at most).
+        Before the job reports its end: the scheduler then stops this process and
+        every process it started, a tracker's own (W&B's service) among them."""
+        if self.tracking is not None:
+            self.tracking.close()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.evals.close()
-        if self.tracking is not None:
-            self.tracking.close()  # flushes, waiting tracking.close_timeout_s at most
+        self.close_tracking()
         if self.root is not None and self.group is not None:
             self.group.close()  # this process's default group: the next job may need it

@@ -178,10 +178,14 @@ class TrainerService:
                 loop.checkpointer.wait()
             if loop.run_dir is not None:
                 loop.save(Path(loop.run_dir) / "checkpoint")
+            # The trackers' last records are out before the end is reported: the
+            # scheduler then takes down this process's tree (reflow.tracking).
+            loop.close_tracking()
             self.state = "succeeded"
         except JobStopped:
             # A graceful stop (a request, or SIGTERM) keeps the step it reached.
             self._checkpoint_on_stop(loop)
+            loop.close_tracking()
             self.state = "stopped"
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
             if loop.stopping:
@@ -189,9 +193,11 @@ class TrainerService:
                 # failed is their absence; the step reached is still kept.
                 logger.warning("job %s: stopped (%s: %s)", self.job_id, type(err).__name__, err)
                 self._checkpoint_on_stop(loop)
+                loop.close_tracking()
                 self.state = "stopped"
             else:
                 logger.exception("job %s: training failed", self.job_id)
+                loop.close_tracking()
                 self.state, self.error = "failed", f"{type(err).__name__}: {err}"
         finally:
             loop.close()

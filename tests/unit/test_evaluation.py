@@ -61,14 +61,20 @@ def test_an_evaluation_scores_the_held_out_prompts_greedily():
     assert worker.counters.finished_samples_total == 0  # not training samples
 
 
-def test_a_multi_turn_task_is_evaluated_one_episode_per_prompt():
+def _guess_number_worker():
+    """A worker playing guess_number episodes (3 turns) against a guesser that never
+    wins, and its episode runner."""
     spec = parse_job_spec({"model": {"path": "/m"},
                            "task": {"name": "guess_number", "args": {"max_turns": 3}},
                            "rollout": {"group_size": 2}, "trainer": {"batch_size": 4}})
     task = build_task(spec)
     runner = EpisodeRunner(task, ChatRenderer(TOKENIZER))
-    worker = _worker(spec, BadGuesser(), task, encode=None, decode=TOKENIZER.decode,
-                     episodes=runner)
+    return _worker(spec, BadGuesser(), task, encode=None, decode=TOKENIZER.decode,
+                   episodes=runner), runner
+
+
+def test_a_multi_turn_task_is_evaluated_one_episode_per_prompt():
+    worker, runner = _guess_number_worker()
     try:
         result = worker.evaluate(EvalPlan(5, greedy=True))
     finally:
@@ -132,13 +138,7 @@ def test_k_samples_per_prompt_are_counted_and_voted_on():
 
 
 def test_a_multi_turn_task_plays_k_episodes_per_prompt_and_casts_no_vote():
-    spec = parse_job_spec({"model": {"path": "/m"},
-                           "task": {"name": "guess_number", "args": {"max_turns": 3}},
-                           "rollout": {"group_size": 2}, "trainer": {"batch_size": 4}})
-    task = build_task(spec)
-    runner = EpisodeRunner(task, ChatRenderer(TOKENIZER))
-    worker = _worker(spec, BadGuesser(), task, encode=None, decode=TOKENIZER.decode,
-                     episodes=runner)
+    worker, runner = _guess_number_worker()
     try:
         result = worker.evaluate(EvalPlan(3, greedy=False, k=2))
     finally:

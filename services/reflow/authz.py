@@ -51,7 +51,8 @@ JOB_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
     "reflow.v1.Rollout": {
         "InitWeightSync": ("trainer",), "UpdateWeights": ("trainer",),
         # The trainer reads its engines' versions and states (trainer/publish.py).
-        "Evaluate": ("trainer",), "GetStats": ("trainer",), "SubmitGroup": (),
+        "Evaluate": ("trainer",), "GetStats": ("trainer",), "ScoreTokens": ("trainer",),
+        "SubmitGroup": (),
         "WaitSamples": (),
     },
     # Trainer replicas poll their leader (trainer/membership.py).

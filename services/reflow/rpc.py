@@ -91,6 +91,8 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "SubmitGroup": "keyed by group id: a group submitted again is refused, not "
                        "generated twice",
         "WaitSamples": "a read of the events after since_seq",
+        "ScoreTokens": "a read: one prefill under the loaded weights, which change only "
+                       "by the trainer that calls it",
     },
     "reflow.v1.Trainer": {
         "StartJob": "a start of the job the trainer already runs (or serves) is a no-op",

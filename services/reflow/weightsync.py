@@ -333,9 +333,12 @@ def worker_init_weight_sync(
     tensor_parallel_size: int = 1,
     trainer_device_uuid: str = "",
     rendezvous_key: str = "",
+    lora: dict | None = None,
 ) -> bool:
     """Join the weight-sync group as rank `first_rank` + this worker's TP rank.
-    `rendezvous_key`: the group's secret; an empty one is refused (make_group)."""
+    `rendezvous_key`: the group's secret; an empty one is refused (make_group).
+    `lora`: a LoRA job's adapter config (PEFT fields): the broadcasts carry its
+    adapter tensors, loaded into the engine's LoRA slot (adapter_sync.py)."""
     tp_rank, tp_world_size = _tensor_parallel_position()
     rank = engine_worker_rank(first_rank, tensor_parallel_size, tp_rank, tp_world_size, world_size)
     if backend == "nccl":
@@ -345,6 +348,7 @@ def worker_init_weight_sync(
                             rendezvous_key=rendezvous_key),
         "specs": [TensorSpec(n, tuple(s), d) for n, s, d in specs],
         "bucket_bytes": bucket_bytes,
+        "lora": lora,
     }
     return True
 
@@ -369,6 +373,10 @@ def worker_receive_weights(self) -> float:
     state = getattr(self, "_reflow_wsync", None)
     if state is None:
         raise RuntimeError("weight sync used before worker_init_weight_sync")
+    if state["lora"] is not None:
+        from reflow.adapter_sync import worker_receive_adapter
+
+        return worker_receive_adapter(self, state)
     start = time.perf_counter()
     model = self.model_runner.get_model()
     device = getattr(self.model_runner, "device", None) or next(model.parameters()).device

@@ -1,6 +1,8 @@
 """A whole-job resume: `reflow run` stopped mid-job (Ctrl-C), then `reflow run
 --resume RUN_DIR` continues it from the checkpoint the stop wrote; and what is
-not a run, or has no committed checkpoint, is refused before anything starts."""
+not a run, or has no committed checkpoint, is refused before anything starts.
+The job trains LoRA adapters, whose checkpoint holds the adapters alone (a
+killed trainer's resume of full weights: test_kill_service.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def test_a_stopped_run_resumes_from_its_stop_checkpoint(tmp_path, tiny_model):
     proc = subprocess.Popen(
         [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
          f"trainer.num_steps={NUM_STEPS}", "trainer.checkpoint_interval=100",
-         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}"],
+         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}", "lora.rank=8",
+         "trainer.learning_rate=0.01"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, preexec_fn=_interruptible)
     deadline = time.monotonic() + 600
@@ -69,8 +72,12 @@ def test_a_stopped_run_resumes_from_its_stop_checkpoint(tmp_path, tiny_model):
     before = _records(out / "metrics.jsonl")
     stop_step = before[-1]["step"]
     assert 6 <= stop_step < NUM_STEPS
-    # The stop itself was checkpointed (the interval, 100, never came).
-    assert (out / "checkpoints" / f"step-{stop_step:08d}" / "COMMITTED").is_file()
+    # The stop itself was checkpointed (the interval, 100, never came), adapters only:
+    # the base weights come from model.path again.
+    stop_dir = out / "checkpoints" / f"step-{stop_step:08d}"
+    assert (stop_dir / "COMMITTED").is_file()
+    saved = sum(f.stat().st_size for f in stop_dir.rglob("*") if f.is_file())
+    assert saved < (Path(tiny_model) / "model.safetensors").stat().st_size / 2
 
     resumed = reflow("run", "--resume", str(out), timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
@@ -81,6 +88,10 @@ def test_a_stopped_run_resumes_from_its_stop_checkpoint(tmp_path, tiny_model):
     assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
     first = records[stop_step]
     assert first["resumed_from_step"] == stop_step and first["superseded_steps"] == 0
+    # The engines were re-synced to the resumed adapters and checked against them.
+    assert all(r["sync_check_logprob_diff"] < 1e-3 for r in records)
+    assert records[-1]["weight_sync_bytes"] == records[0]["weight_sync_bytes"]
+    assert (out / "checkpoint" / "adapter" / "adapter_model.safetensors").is_file()
     versions = [r["policy_version"] for r in records]
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
     # The dispatcher continued its prompt stream and re-sent what was in flight.

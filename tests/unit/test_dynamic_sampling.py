@@ -297,7 +297,7 @@ def test_the_step_record_counts_the_groups_dropped_during_the_step():
     loop = SimpleNamespace(
         step=2, policy_version=1, learning_rate=1e-4, startup_s=0.0, rollouts=[client],
         job_id="job", group_size=1, membership_epoch=0, group_failures=0,
-        retired_engines=[], reference_bytes=0,
+        retired_engines=[], reference_bytes=0, sync_bytes=0, last_sync_check=0.0,
         replay=SimpleNamespace(stats=lambda job_id: BufferStats()))
     batch = Batch("l", [Trajectory("s0", "g", [1], [2], [-1.0], [1], [Segment(1, 1)],
                                    reward=1.0)], 1)

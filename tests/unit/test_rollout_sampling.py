@@ -54,13 +54,15 @@ def test_the_vllm_engine_samples_with_the_spec_s_truncation_and_min_tokens(monke
     seen = _fake_vllm(monkeypatch)
 
     class Core:
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            assert lora_request is None  # no LoRA in this spec
             completion = SimpleNamespace(token_ids=[5], logprobs=[{5: SimpleNamespace(
                 logprob=-0.5)}], finish_reason="stop", weight_versions=None)
             yield SimpleNamespace(outputs=[completion], finished=True)
 
     engine = VllmEngine.__new__(VllmEngine)
     engine._engine = Core()
+    engine.lora = None
 
     async def run(spec):
         return [d async for d in engine.generate("r", [1, 2], spec)]

@@ -22,7 +22,7 @@ def test_first_use_tokens_count_only_samples_trained_for_the_first_time():
     loop = SimpleNamespace(
         step=4, policy_version=3, learning_rate=2.5e-4, startup_s=0.0, rollouts=[],
         job_id="job", group_size=1, membership_epoch=0, group_failures=0,
-        retired_engines=[], reference_bytes=0,
+        retired_engines=[], reference_bytes=0, sync_bytes=0, last_sync_check=0.0,
         replay=SimpleNamespace(stats=lambda job_id: BufferStats()))
     batch = Batch(lease_id="l", policy_version=3,
                   trajectories=[_sample(0, 10, 0), _sample(1, 30, 2), _sample(2, 20, 0)])

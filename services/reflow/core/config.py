@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from reflow.core import plugins
 from reflow.core.algorithm_config import AlgorithmConfig
+from reflow.core.lora_config import LoraConfig
 from reflow.core.pool_config import ClusterConfig, RoleFlip  # noqa: F401 - part of the spec
 from reflow.core.rollout_config import LengthStage, RolloutConfig  # noqa: F401 - part of the spec
 from reflow.core.sections import PluginArgs, _Section  # noqa: F401 - shared by the sections
@@ -306,6 +307,11 @@ class JobSpec(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="Train low-rank adapters on the frozen model instead of its weights "
+        "(core/lora_config.py): the optimizer holds only the adapters, and each weight sync "
+        "moves only them into the engines' LoRA slot. None: full fine-tuning.")
 
     @model_validator(mode="after")
     def _apply_mode(self) -> JobSpec:

@@ -77,6 +77,17 @@ class RolloutConfig(_Section):
         "On CPU the standby engine drops its KV cache's pages instead. `off`: it keeps its "
         "memory.")
     engine: Literal["vllm"] = Field(default="vllm", description="Generation engine backend.")
+    sync_check: bool = Field(
+        default=True,
+        description="At the start and after every weight sync, check that each engine samples "
+        "from what the trainer published: both score a fixed 32-token probe sequence, and a "
+        "mean log-probability difference above sync_check_tolerance fails the job "
+        "(trainer/sync_check.py). One short forward on each side per sync.")
+    sync_check_tolerance: float | None = Field(
+        default=None, gt=0.0, le=10.0,
+        description="Largest mean |Δ log-prob| (nats per probe token) between an engine and "
+        "the trainer. None: 1e-3 for float32 weights, 5e-2 for bfloat16 (the two sides' "
+        "kernels round differently; on vLLM-CPU in float32 they agree to under 1e-5).")
     length_schedule: list[LengthStage] = Field(
         default_factory=list, max_length=1000,
         description="A response-length curriculum: bounds by policy version (stages in "

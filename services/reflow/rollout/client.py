@@ -155,6 +155,16 @@ class GrpcRolloutClient:
                                         o.num_errors, o.majority_correct)
                           for o in m.prompts))
 
+    def score_tokens(self, job_id: str, token_ids: list[int], deadline_s: float = 60.0
+                     ) -> tuple[int, list[float]]:
+        """(loaded policy version, log-probabilities of the probe's tokens after
+        the first) on this worker's engine (trainer/sync_check.py)."""
+        from reflow.v1 import rollout_pb2
+
+        m = self._stub.ScoreTokens(rollout_pb2.ScoreTokensRequest(
+            job_id=job_id, token_ids=token_ids), timeout=deadline_s)
+        return int(m.policy_version), list(m.logprobs)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -185,6 +195,10 @@ class InprocRolloutClient:
 
     def evaluate(self, job_id: str, plan, deadline_s: float = 600.0):
         return self.service.evaluate(job_id, plan, deadline_s)
+
+    def score_tokens(self, job_id: str, token_ids: list[int], deadline_s: float = 60.0
+                     ) -> tuple[int, list[float]]:
+        return self.service.score_tokens(job_id, list(token_ids), deadline_s)
 
     def close(self) -> None:
         pass

@@ -113,11 +113,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 for o in result.prompts])
 
 
+    def ScoreTokens(self, request, context):
+        version, logprobs = self.service.score_tokens(
+            request.job_id, list(request.token_ids), rpc.wait_budget_s(context))
+        return rollout_pb2.ScoreTokensReply(policy_version=version, logprobs=logprobs)
+
+
 SERVICE_NAME = "reflow.v1.Rollout"
 # Calls that wait (on the engine, or for events): bounded by rpc.LongCallGuard.
 LONG_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in
                      ("StartJob", "StopJob", "InitWeightSync", "UpdateWeights", "WaitSamples",
-                      "Evaluate"))
+                      "Evaluate", "ScoreTokens"))
 
 
 def register(service: RolloutService):

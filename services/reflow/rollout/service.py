@@ -60,6 +60,7 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
             tensor_parallel_size=spec.rollout.tensor_parallel_size,
             gpu_memory_utilization=utilization,
             sleep_mode=sleep_mode,
+            lora=spec.lora,
         )
 
     return build
@@ -84,6 +85,8 @@ MAX_GROUP_SIZE = 4096
 # Bounds on what a SubmitGroup may carry, and on a WaitSamples wait.
 MAX_PROMPT_CHARS, MAX_ANSWER_CHARS = 1 << 20, 1 << 16
 MAX_EVENT_WAIT_S = 30.0
+# The longest probe sequence the weight-sync check may send (trainer/sync_check.py).
+MAX_PROBE_TOKENS = 4096
 
 
 class RolloutService:
@@ -218,6 +221,17 @@ class RolloutService:
         if worker.standby:
             raise FailedPrecondition("rollout worker stands by: its worker has the trainer role")
         return worker.evaluate(plan, timeout_s)
+
+    def score_tokens(self, job_id: str, token_ids: list[int], timeout_s: float
+                     ) -> tuple[int, list[float]]:
+        """The weight-sync check's probe on this worker's engine (RolloutWorker.
+        score_tokens). `token_ids`: 2 to MAX_PROBE_TOKENS ids, each >= 0."""
+        if not 2 <= len(token_ids) <= MAX_PROBE_TOKENS:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens; a probe has 2 to "
+                             f"{MAX_PROBE_TOKENS}")
+        if min(token_ids) < 0:
+            raise ValueError("token_ids: token ids are >= 0")
+        return self._running_worker_for(job_id).score_tokens(token_ids, timeout_s)
 
     def wait_events(self, job_id: str, since_seq: int, wait_s: float) -> list[SampleEvent]:
         if not 0 <= wait_s <= MAX_EVENT_WAIT_S or since_seq < 0:

@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from reflow.core.lora_config import LoraConfig
 from reflow.rollout.engine import EngineLoad, SamplingSpec, TokenDelta, WeightSyncSpec
 from reflow.rollout.memory import EngineSleep
 from reflow.rollout.vllm_worker import EXTENSION
@@ -107,11 +108,17 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
         sleep_mode: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
         """On a GPU: `gpu_memory_utilization` (None: vLLM's default) and
         `sleep_mode` (vLLM's sleep around standby, rollout/memory.py); on CPU
-        neither applies and the KV cache is `kv_cache_gb`."""
+        neither applies and the KV cache is `kv_cache_gb`. `lora`: a LoRA job's
+        adapter config: the engine runs every request under one adapter slot that
+        each weight sync replaces (adapter_sync.py)."""
         self.tensor_parallel_size = tensor_parallel_size
+        self.lora = lora
+        self._adapter_ready = lora is None
+        self._adapter_lock = None
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gb)))))
         executor = os.environ.get("REFLOW_VLLM_EXECUTOR") or _default_executor(tensor_parallel_size)
         if executor == "uni":
@@ -144,6 +151,15 @@ class VllmEngine:
             # Weight sync and KV-cache release, called by name (rollout/vllm_worker.py).
             worker_extension_cls=EXTENSION,
             enable_sleep_mode=sleep_mode,
+            # One adapter slot: the job's policy, replaced in place at each sync. With
+            # LoRA on, vLLM-CPU runs without torch compilation (bench/lora.py measures it).
+            # Only the job's target layers are wrapped: vLLM would otherwise wrap the LM
+            # head too, whose CPU LoRA path breaks prompt log-probabilities (the sync
+            # check's) in a batch of several requests (einsum over mismatched sizes,
+            # vLLM-CPU 0.32), and costs a pass over the vocabulary for nothing.
+            **({"enable_lora": True, "max_lora_rank": lora.engine_slot_rank, "max_loras": 1,
+                "max_cpu_loras": 1, "lora_target_modules": list(lora.target_modules)}
+               if lora is not None else {}),
             **({"gpu_memory_utilization": gpu_memory_utilization}
                if gpu_memory_utilization is not None else {}),
         )
@@ -191,7 +207,8 @@ class VllmEngine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        stream = self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, request_id)
+        stream = self._engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                       request_id, lora_request=await self._adapter())
         async for out in stream:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
@@ -203,6 +220,49 @@ class VllmEngine:
                 finish_reason=completion.finish_reason,
                 segments=_segments(getattr(completion, "weight_versions", None), len(ids)),
             )
+
+    async def _adapter(self):
+        """The LoRARequest of a LoRA job's requests (None without LoRA), once the
+        slot holds its zero adapter (made on first use: the engine's constructor
+        cannot await the engine core)."""
+        if self.lora is None:
+            return None
+        if not self._adapter_ready:
+            import asyncio
+
+            self._adapter_lock = self._adapter_lock or asyncio.Lock()
+            async with self._adapter_lock:
+                if not self._adapter_ready:
+                    await self._engine.collective_rpc("reflow_init_adapter",
+                                                      args=(self.lora.engine_slot_rank,))
+                    self._adapter_ready = True
+        from reflow.adapter_sync import lora_request
+
+        return lora_request()
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token t+1 | tokens ..t) under the loaded weights (and adapter) at
+        temperature 1, for t = 0 .. len - 2: the engine's side of the weight-sync
+        check (trainer/sync_check.py). One prefill, no sampled token kept. Empty
+        from a sleeping engine (GPU standby), which cannot run a request."""
+        import uuid
+
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._sleep is not None and self._sleep.asleep:
+            return []  # a sleeping standby engine runs nothing; checked once it wakes
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0,
+                                detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        result = None
+        async for out in self._engine.generate(
+                TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                f"reflow-probe-{uuid.uuid4().hex}", lora_request=await self._adapter()):
+            result = out
+        if result is None or result.prompt_logprobs is None:
+            raise RuntimeError("the engine returned no prompt log-probabilities for the probe")
+        return [float(lp[tok].logprob)
+                for lp, tok in zip(result.prompt_logprobs[1:], token_ids[1:])]
 
     async def label_weights(self, policy_version: int) -> None:
         """Name the loaded weights: vLLM's engine core stamps each step's tokens
@@ -248,8 +308,10 @@ class VllmEngine:
                 spec.tensor_parallel_size,
                 spec.trainer_device_uuid,
                 spec.rendezvous_key,
+                self.lora.peft_config() if self.lora is not None else None,
             ),
         )
+        await self._adapter()  # the slot exists before the first adapter arrives
 
     async def receive_weights(self) -> float:
         if self._sleep is not None:

@@ -10,7 +10,7 @@ the KV cache's pages); this class only gives it names on the worker.
 
 from __future__ import annotations
 
-from reflow import weightsync
+from reflow import adapter_sync, weightsync
 
 # What AsyncEngineArgs(worker_extension_cls=...) names: this module's class.
 EXTENSION = f"{__name__}.ReflowWorkerExtension"
@@ -23,10 +23,13 @@ class ReflowWorkerExtension:
                                 world_size: int, backend: str, specs: list, bucket_bytes: int,
                                 tensor_parallel_size: int = 1,
                                 trainer_device_uuid: str = "",
-                                rendezvous_key: str = "") -> bool:
+                                rendezvous_key: str = "", lora: dict | None = None) -> bool:
         return weightsync.worker_init_weight_sync(
             self, master_address, master_port, first_rank, world_size, backend, specs,
-            bucket_bytes, tensor_parallel_size, trainer_device_uuid, rendezvous_key)
+            bucket_bytes, tensor_parallel_size, trainer_device_uuid, rendezvous_key, lora)
+
+    def reflow_init_adapter(self, rank: int) -> bool:
+        return adapter_sync.worker_init_adapter(self, rank)
 
     def reflow_receive_weights(self) -> float:
         return weightsync.worker_receive_weights(self)

@@ -189,6 +189,21 @@ class RolloutWorker(WeightSyncMixin):
         """Run a coroutine on the worker loop from another thread and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
+    def score_tokens(self, token_ids: list[int], timeout_s: float = 60.0
+                     ) -> tuple[int, list[float]]:
+        """(loaded policy version, log p of each token after the first) under the
+        engine's weights: the weight-sync check's probe (trainer/sync_check.py).
+        The trainer calls it between its publishes, so the version cannot move
+        under it."""
+        if self.state != "running":
+            raise FailedPrecondition(f"rollout worker is {self.state}")
+        score = getattr(self.engine, "score", None)
+        if score is None:
+            raise FailedPrecondition(f"{type(self.engine).__name__} cannot score tokens; set "
+                                     "rollout.sync_check to false for it")
+        version = self.counters.policy_version
+        return version, self.call(score(list(token_ids)), timeout_s)
+
     def evaluate(self, plan, timeout_s: float = 600.0):
         """Score the task's held-out split under the loaded weights as `plan`
         (an EvalPlan: prompts, k, sampling) says (rollout/evaluation.py); waits at

@@ -123,7 +123,9 @@ def length_model(records: list[dict], max_tokens: int, prompt_tokens: int,
 
 def sync_cost(records: list[dict]) -> SyncCost:
     """The weight sync as a fixed cost: the median of `weight_sync_s` less the
-    wait for the engines to pause (the simulator adds that wait itself)."""
+    wait for the engines to pause (the simulator adds that wait itself). Its
+    bytes are ~0, so a job's `lora` does not reprice it: fit it to runs that
+    synced what the simulated job syncs (adapters for a LoRA job)."""
     seconds = statistics.median(max(0.0, r["weight_sync_s"] - r.get("sync_wait_s", 0.0))
                                 for r in records)
     return SyncCost(weight_bytes=1.0, bandwidth_bytes_per_s=1e12, overhead_s=seconds,

@@ -154,13 +154,20 @@ class SyncCost(_Section):
 
 class FlipCost(_Section):
     """One AsyncHybrid worker's role flip, as the trainer's pause at the sync
-    boundary it lands at (paper §5)."""
+    boundary it lands at (paper §5). The pauses are full fine-tuning's; with the
+    job's `lora` the part that moves trainer state is priced by the adapter's
+    state instead (sim/lora.py)."""
 
     # Paper Table 2 (32 GPUs): 24:8 -> 16:16, rollout to train, 9.20 s (the joiners
     # receive parameter and optimizer shards).
     to_trainer_s: float = Field(9.2, ge=0)
     # Paper Table 2 (32 GPUs): 16:16 -> 24:8, train to rollout, 5.72 s.
     to_rollout_s: float = Field(5.72, ge=0)
+    # Assumption: the shard-local broadcasts of a flip run at the weight sync's
+    # effective NCCL bandwidth. At the defaults a joiner's shard of an 8B model's
+    # weights and AdamW moments (49 GB over 16 ranks) takes 0.12 s of the 9.2 s: the
+    # rest is regrouping, which LoRA does not shorten.
+    state_bandwidth_bytes_per_s: float = Field(25e9, gt=0)
 
 
 class ToolCost(_Section):
@@ -181,6 +188,40 @@ class ToolCost(_Section):
         return self.latency_median_s * math.exp(rng.gauss(0.0, self.latency_sigma))
 
 
+class ModelShape(_Section):
+    """The decoder blocks' dimensions (a Hugging Face config.json's names), which
+    size a LoRA adapter (sim/lora.py). Defaults: Qwen3-8B's config.json. Only a
+    job with `lora` reads them; the model's parameters and bytes are
+    `train.parameters` and `sync.weight_bytes`."""
+
+    hidden_size: int = Field(4096, gt=0)
+    intermediate_size: int = Field(12288, gt=0)
+    num_layers: int = Field(36, gt=0, description="num_hidden_layers")
+    num_heads: int = Field(32, gt=0, description="num_attention_heads")
+    num_kv_heads: int = Field(8, gt=0, description="num_key_value_heads")
+    head_dim: int = Field(128, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelShape:
+        if self.num_kv_heads > self.num_heads:
+            raise ValueError(f"costs.model.num_kv_heads ({self.num_kv_heads}) must not exceed "
+                             f"num_heads ({self.num_heads})")
+        return self
+
+    def widened(self, factor: float) -> ModelShape:
+        """The shape `factor` times as wide at the same depth (head_dim kept, head
+        counts scaled): a model of factor² the parameters, as `reflow sim plan`
+        scales one (an assumption: real families also grow in depth)."""
+        def scale(n: int) -> int:
+            return max(1, round(n * factor))
+
+        heads = scale(self.num_heads)
+        return self.model_copy(update={
+            "hidden_size": scale(self.hidden_size),
+            "intermediate_size": scale(self.intermediate_size),
+            "num_heads": heads, "num_kv_heads": min(heads, scale(self.num_kv_heads))})
+
+
 class CostModel(_Section):
     decode: DecodeCost = DecodeCost()
     lengths: LengthModel = LengthModel()
@@ -188,6 +229,7 @@ class CostModel(_Section):
     sync: SyncCost = SyncCost()
     flip: FlipCost = FlipCost()
     tools: ToolCost = ToolCost()
+    model: ModelShape = ModelShape()
     # GPUs per rollout engine (tensor parallel): 1 for an 8B model.
     gpus_per_engine: int = Field(1, gt=0)
 

@@ -12,13 +12,16 @@ parameters it states: training FLOPs, the weights' bytes (sync, the decode
 floor), the KV bytes a token (taken as proportional to the parameters, an
 assumption: layer count and KV heads grow with size), prefill FLOPs and the
 KV capacity left beside the weights. A model whose weights do not fit beside a
-useful KV cache on one GPU gets tensor-parallel engines (powers of two).
+useful KV cache on one GPU gets tensor-parallel engines (powers of two). The
+decoder's shape (costs.model), which sizes a LoRA job's adapters, is widened by
+the square root of the parameter ratio at the same depth (an assumption).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -70,6 +73,7 @@ def scaled_costs(costs: CostModel, parameters: float) -> CostModel:
     return costs.model_copy(update={
         "decode": decode, "gpus_per_engine": tp,
         "train": costs.train.model_copy(update={"parameters": parameters}),
+        "model": costs.model.widened(math.sqrt(k)),
         "sync": costs.sync.model_copy(update={"weight_bytes": weights})})
 
 

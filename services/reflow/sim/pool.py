@@ -14,7 +14,8 @@ is simulated here, as the live services answer:
 - the leader's membership (trainer/client.py): a change asked for is pending
   until the simulated trainer applies it at its next sync boundary, pausing
   for FlipCost.to_trainer_s (the group grew) or to_rollout_s (it shrank), as
-  trainer/membership.py does between steps.
+  trainer/membership.py does between steps (with the job's `lora`, the pause's
+  state transfer is the adapter's: sim/lora.py).
 """
 
 from __future__ import annotations

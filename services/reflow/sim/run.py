@@ -5,7 +5,8 @@ The trainer follows TrainLoop's step (trainer/loop.py): lease a batch from the
 buffer (its wait is the trainer's idle time), train, release, and every
 `trainer.sync_interval` steps publish a version: without partial rollout the
 engines first stop admitting and finish what runs (the update waits for them,
-verl's one_step_off), then every engine pauses for SyncCost.sync_s and the
+verl's one_step_off), then every engine pauses for the sync (SyncCost, priced by
+the weights' bytes or, with the job's `lora`, the adapters': sim/lora.py) and the
 buffer learns the version. In sync mode rollout and trainer share every GPU
 (JobSpec.colocated) and each role switch costs SyncCost.colocate_switch_s.
 
@@ -43,6 +44,7 @@ from reflow.rollout.scoring import GroupScoring
 from reflow.scheduler.placement_feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
+from reflow.sim.lora import transfers
 from reflow.sim.pool import SimLeader, SimWorkerClient
 from reflow.trainer.records import engine_step_fields
 from reflow.tasks import Prompt
@@ -96,6 +98,8 @@ class Simulation:
         self.report = report
         self.spec = spec = job_spec(config, mode, gpus)
         self.costs = config.costs
+        # What a sync and a flip move: the weights, or with spec.lora the adapters.
+        self.transfers = transfers(self.costs, spec)
         self.clock = VirtualClock(epoch=0.0)
         redis_client.flushdb()
         self.replay = InprocReplayClient(ReplayStore(redis_client, seed=config.seed))
@@ -247,7 +251,7 @@ class Simulation:
                 if spec.rollout.partial_rollout or not any(e.running
                                                            for e in self.engines.values()):
                     sync_wait_s = now - sync_started
-                    state, state_until = "syncing", now + self.costs.sync.sync_s
+                    state, state_until = "syncing", now + self.transfers.sync_s
                     for e in self.engines.values():
                         e.load_weights(self.version + 1, now, state_until)
                     continue
@@ -262,7 +266,8 @@ class Simulation:
                 peers = self.leader.take_pending() if self.leader is not None else None
                 if peers is not None:
                     grew = len(peers) > len(self.leader.peers)
-                    pause = self.costs.flip.to_trainer_s if grew else self.costs.flip.to_rollout_s
+                    pause = self.transfers.flip_pause_s(
+                        grew, self.trainer_gpus, (1 + len(peers)) * per_engine)
                     state, state_until, regroup = "regrouping", now + pause, (peers, pause)
                 continue
             elif state == "regrouping" and now >= state_until:
@@ -354,7 +359,7 @@ class Simulation:
             "fresh_samples": fresh, "stale_samples": len(trajs) - fresh - replayed,
             "replay_samples": replayed, "staleness_histogram": histogram,
             "wait_s": wait_s, "train_s": train_s, "sync_s": sync_s, "sync_wait_s": sync_wait_s,
-            "weight_sync_s": self.costs.sync.sync_s if sync_s else 0.0,
+            "weight_sync_s": self.transfers.sync_s if sync_s else 0.0,
             **self._tail_share(self.clock.now - step_s),
             "rollout_workers": n, "trainer_gpus": self.trainer_gpus,
             "trainer_workers": self.trainer_gpus // self.costs.gpus_per_engine,
@@ -388,6 +393,7 @@ class Simulation:
             "mode": self.mode, "gpus": self.gpus,
             "rollout_engines": self.initial_rollout_engines,
             "trainer_gpus": self.trainer_gpus, "steps": self.step, "phase": "SUCCEEDED",
+            "weight_sync_bytes": self.transfers.sync_bytes,
             "simulated_s": round(self.clock.now, 3), "wall_s": round(wall_s, 3),
             "throughput_tokens_per_s": trained / span if span else 0.0,
             # Trained tokens less replay's repeats: the rate new rollouts are trained.

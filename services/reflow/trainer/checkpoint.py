@@ -143,10 +143,22 @@ def check_resume_dir(run_dir: Path) -> CheckpointInfo:
     return info
 
 
+def _frozen_from_model_path(loading: bool = False):
+    """Frozen parameters (LoRA's base weights) are left out of the state saved and
+    loaded: they come from model.path. Loading, the model's own state then lacks
+    them, which `strict` would refuse; every key the checkpoint should hold is
+    still checked, by DCP's load of the template."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+
 def _training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # A LoRA checkpoint holds the adapters and their AdamW state only.
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=_frozen_from_model_path())
     return {"model": model_state, "optimizer": optim_state,
             "rng": {"torch": torch.get_rng_state()}}
 
@@ -168,7 +180,8 @@ def load_checkpoint(info: CheckpointInfo, model: torch.nn.Module,
         raise CheckpointError(f"{info.path}: does not load into this model ({err}); was it "
                               "written for another model.path?") from err
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"],
+                   options=_frozen_from_model_path(loading=True))
     torch.set_rng_state(state["rng"]["torch"])
 
 

@@ -174,16 +174,12 @@ class ShardedGroup(TrainerGroup):
 
 
 def policy_parameters(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) under the Hugging Face model's names, a tied weight once,
-    of a PolicyScorer or of the model itself."""
-    model = root.module if isinstance(root, PolicyScorer) else root
-    seen: set[int] = set()
-    named = []
-    for name, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            named.append((name, p))
-    return named
+    """(name, parameter) of what a weight sync sends, of a PolicyScorer or of the
+    model itself: every parameter under the Hugging Face model's names, a tied
+    weight once, or with LoRA the adapters under PEFT's (lora.synced_parameters)."""
+    from reflow.trainer.lora import synced_parameters
+
+    return synced_parameters(root.module if isinstance(root, PolicyScorer) else root)
 
 
 def gathered_buckets(root: PolicyScorer, bucket_bytes: int
@@ -216,15 +212,21 @@ def policy_state(root: PolicyScorer, optimizer: torch.optim.Optimizer):
     torch.distributed.checkpoint saves and loads, re-sharding on load."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(root.module, optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return get_state_dict(root.module, optimizer,
+                          options=StateDictOptions(ignore_frozen_params=True))
 
 
 def load_policy_state(root: PolicyScorer, optimizer: torch.optim.Optimizer,
                       model_state, optim_state) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     set_state_dict(root.module, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optim_state)
+                   optim_state_dict=optim_state,
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 def gather_full_state(root: PolicyScorer) -> dict[str, torch.Tensor]:

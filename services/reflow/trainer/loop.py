@@ -38,10 +38,12 @@ from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.trainer.evaluation import PeriodicEval
 from reflow.trainer.fsdp import gather_full_state, policy_parameters, wants_fsdp
 from reflow.trainer.handoff import SharedState
+from reflow.trainer.lora import apply_lora, export_lora, synced_parameters
 from reflow.trainer.membership import GroupMembership
 from reflow.trainer.publish import WeightPublisher
 from reflow.trainer.records import step_record
 from reflow.trainer.schedule import set_learning_rate
+from reflow.trainer.sync_check import probe_token_ids
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
 from reflow.tracking import open_trackers
 
@@ -143,6 +145,11 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self._mid_step = False
         # Weight-sync groups rebuilt after a rollout worker was replaced (publish.py).
         self.weight_sync_rebuilds = 0
+        # The probe's log-probabilities under the last published policy, and the
+        # largest mean difference an engine showed at the last check (sync_check.py).
+        self._probe_expected: list[float] | None = None
+        self.last_sync_check = 0.0
+        self.sync_bytes = 0
         # trainer.parallelism resolved at load(); with fsdp, the FSDP root over the
         # model once the group is formed (trainer/fsdp.py), and the whole weights
         # gathered to the leader at the end, for the final export.
@@ -190,11 +197,16 @@ class TrainLoop(GroupMembership, WeightPublisher):
                                        for p in self.reference.parameters())
             logger.info("job %s: reference model for trainer.kl_coef=%g holds %d bytes",
                         self.job_id, self.spec.trainer.kl_coef, self.reference_bytes)
+        # Adapters go on after the reference copy, which stays the base model.
+        self.peft_model = (apply_lora(self.model, self.spec.lora)
+                           if self.spec.lora is not None else None)
         if self.spec.trainer.activation_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = self._new_optimizer(self.model.parameters())
+        # The sequence the engines' weights are checked on after each sync (sync_check.py).
+        self.probe_ids = probe_token_ids(len(self.tokenizer))
         self.pad_id = self.tokenizer.pad_token_id or 0
         # The stop tokens the engine masks under a curriculum's min_tokens, which the
         # trainer masks too where it scores those positions (models/tokens.py).
@@ -221,6 +233,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
             self.replay.configure(self.job_id, self.spec.replay)
 
     def _new_optimizer(self, parameters) -> torch.optim.Optimizer:
+        # With LoRA only the adapters train: AdamW holds no state for the base weights.
+        parameters = [p for p in parameters if p.requires_grad]
         return torch.optim.AdamW(parameters, lr=self.spec.trainer.learning_rate,
                                  weight_decay=self.spec.trainer.weight_decay)
 
@@ -230,12 +244,12 @@ class TrainLoop(GroupMembership, WeightPublisher):
         return self.root if self.root is not None else self.model
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        # named_parameters() lists a tied lm_head once, under the embedding's name,
-        # which is what the engines' checkpoint loaders expect (fsdp.policy_parameters
-        # keeps the same names and order, each a DTensor of global shape).
+        # The whole weights, or with LoRA the adapters alone (lora.synced_parameters);
+        # fsdp.policy_parameters keeps the same names and order, each a DTensor of
+        # global shape.
         if self.root is not None:
             return policy_parameters(self.root)
-        return [(n, p) for n, p in self.model.named_parameters()]
+        return synced_parameters(self.model)
 
     # --- the data-parallel group (paper §5) ------------------------------------------
 
@@ -283,6 +297,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
                     self._pending_peers = []
         self.apply_membership()  # the replicas the job starts with
         self._resync_engines()
+        self.check_engines_at_start()
         rollout_before = self._rollout_totals()
         # A step's time runs from the previous step's end to this one's, so the work
         # between steps (metrics, stats calls) counts against throughput too.
@@ -550,6 +565,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
             self.tracking.log_record(record)
 
     def save(self, path: Path) -> None:
+        if self.spec.lora is not None:
+            export_lora(self.model, self.tokenizer, path, self.spec.lora,
+                        full_state=self._final_state, base_model_path=self.spec.model.path)
+            return
         if self.root is not None:
             self.model.save_pretrained(path, state_dict=self._final_state,
                                        safe_serialization=True)

@@ -21,6 +21,8 @@ import torch
 from reflow.core.errors import VersionGap
 from reflow.procs import free_port
 from reflow.rollout.engine import WeightSyncSpec
+from reflow.trainer.sync_check import (DEFAULT_TOLERANCE, WeightSyncMismatch, check_engine,
+                                       trainer_probe_logprobs)
 from reflow.weightsync import (DEFAULT_BUCKET_BYTES, RankPlan, cuda_device_uuid, make_group,
                                new_rendezvous_key, send_weights, specs_of)
 
@@ -62,6 +64,7 @@ class WeightPublisher:
         rank i+1). Each build draws a new rendezvous key, handed to the engines in
         the authenticated InitWeightSync (weightsync.make_group)."""
         named = self._named_weights()
+        self.sync_bytes = sum(s.nbytes for s in specs_of(named))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         port, key = free_port(), new_rendezvous_key()
         tp = self.spec.rollout.tensor_parallel_size
@@ -126,6 +129,7 @@ class WeightPublisher:
         sender.result()
         updates = [f.result() for f in futures]
         self.policy_version = version
+        self.check_engines()
         publish_to_buffer(self.replay, self.job_id, version)
         return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
 
@@ -136,9 +140,52 @@ class WeightPublisher:
 
             self.group.send_command("publish", self.step)
             send_sharded_weights(self.root, self._sync_group, DEFAULT_BUCKET_BYTES)
+            self._probe_expected = self.probe_expected()
             return
         with torch.no_grad():
             send_weights(self._sync_group, self._named_weights())
+        self._probe_expected = self.probe_expected()
+
+    # --- the check that the engines hold what was published (sync_check.py) ----
+
+    def probe_expected(self) -> list[float] | None:
+        """The probe's log-probabilities under the trainer's policy (None with
+        rollout.sync_check off). Every rank of an FSDP group calls it together."""
+        if not self.spec.rollout.sync_check:
+            return None
+        from reflow.trainer.fsdp import root_device
+
+        device = root_device(self.root) if self.root is not None else self.device
+        return trainer_probe_logprobs(self.trained, self.probe_ids, device,
+                                      self.spec.trainer.logprob_chunk_tokens)
+
+    def check_engines(self, expected: list[float] | None = None) -> None:
+        """Every engine's probe against the trainer's (`expected`; None: the one the
+        last publish scored). Raises WeightSyncMismatch, which fails the job."""
+        if not self.spec.rollout.sync_check:
+            return
+        expected = expected if expected is not None else self._probe_expected
+        tolerance = (self.spec.rollout.sync_check_tolerance
+                     or DEFAULT_TOLERANCE[self.spec.model.dtype])
+        futures = [(c, self._pool.submit(c.score_tokens, self.job_id, self.probe_ids))
+                   for c in self.rollouts]
+        worst = 0.0
+        for client, future in futures:
+            engine_version, got = future.result()
+            worst = max(worst, check_engine(client.address, self.policy_version, engine_version,
+                                            expected, got, tolerance, self.spec.lora is not None))
+        self.last_sync_check = worst
+        logger.debug("job %s: v%d: engines match the trainer (mean |Δ log-prob| <= %.2g)",
+                     self.job_id, self.policy_version, worst)
+
+    def check_engines_at_start(self) -> None:
+        """The engines against the trainer before the first step: what they loaded
+        from model.path (and a resumed job's resync) is the policy the trainer holds."""
+        if not self.spec.rollout.sync_check:
+            return
+        if self.root is not None:
+            self.group.send_command("probe", self.step)
+        self.check_engines(self.probe_expected())
 
     def _publish_or_rebuild(self) -> tuple[float, float]:
         """`_publish`, and when a rollout worker's update fails, rebuild the group
@@ -151,6 +198,8 @@ class WeightPublisher:
                                              "the job", counted=False)
         try:
             return self._publish()
+        except WeightSyncMismatch:
+            raise  # the engine loaded what it was sent, wrongly: a rebuild would too
         except Exception as err:  # noqa: BLE001 - classified below
             if self.stopping or self.weight_sync_rebuilds >= self.spec.cluster.max_restarts:
                 raise

@@ -99,6 +99,10 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         "train_s": train_s,
         "weight_sync_s": sync_s,
         "sync_wait_s": sync_wait_s,
+        # What one sync moves to each engine (the adapters alone with LoRA), and the
+        # largest mean |Δ log-prob| of an engine's probe at the last check (sync_check.py).
+        "weight_sync_bytes": loop.sync_bytes,
+        "sync_check_logprob_diff": loop.last_sync_check,
         "unused_pool_samples": buffer.unused_samples,
         "replay_pool_samples": buffer.replay_samples,
         "evicted_samples_total": buffer.evicted_total,

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GROUP_SIZE = 4096
 # Commands of an FSDP group, each a collective this replica joins.
-SHARDED_OPS = ("publish", "checkpoint", "resume", "export")
+SHARDED_OPS = ("publish", "probe", "checkpoint", "resume", "export")
 
 
 class TrainerReplica:
@@ -237,6 +237,9 @@ class TrainerReplica:
         loop = self.loop
         if op == "publish":
             send_sharded_weights(loop.root, None, DEFAULT_BUCKET_BYTES)
+            loop.probe_expected()  # the leader scores the probe after each publish
+        elif op == "probe":
+            loop.probe_expected()
         elif op == "checkpoint":
             checkpoint.write_shards(checkpoint.check_shard_dir(arg), loop.root, loop.optimizer)
         elif op == "resume":

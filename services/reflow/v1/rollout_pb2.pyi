@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("job_id", "token_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoreTokensReply(_message.Message):
+    __slots__ = ("policy_version", "logprobs")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, policy_version: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class SetSyncPlaceRequest(_message.Message):
     __slots__ = ("job_id", "rank", "world_size")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

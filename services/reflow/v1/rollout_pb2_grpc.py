@@ -82,6 +82,11 @@ class RolloutStub:
                 request_serializer=reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_rollout__pb2.EvaluateReply.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/reflow.v1.Rollout/ScoreTokens',
+                request_serializer=reflow_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_rollout__pb2.ScoreTokensReply.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -152,6 +157,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """The log-probabilities of a probe sequence under the loaded weights (the
+        trainer's check that a weight sync took, after every publish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +212,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Evaluate,
                     request_deserializer=reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_rollout__pb2.EvaluateReply.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=reflow_dot_v1_dot_rollout__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_rollout__pb2.ScoreTokensReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +464,33 @@ class Rollout:
             '/reflow.v1.Rollout/Evaluate',
             reflow_dot_v1_dot_rollout__pb2.EvaluateRequest.SerializeToString,
             reflow_dot_v1_dot_rollout__pb2.EvaluateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Rollout/ScoreTokens',
+            reflow_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
+            reflow_dot_v1_dot_rollout__pb2.ScoreTokensReply.FromString,
             options,
             channel_credentials,
             insecure,

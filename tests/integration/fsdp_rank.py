@@ -2,7 +2,9 @@
 process's default torch.distributed group): trains a few steps on the same
 batches as a single unsharded trainer and writes what the test compares.
 
-    python -m tests.integration.fsdp_rank MODEL OUT PORT RANK WORLD [--resume DIR]
+    python -m tests.integration.fsdp_rank MODEL OUT PORT RANK WORLD [--resume DIR] [--lora]
+
+With --lora both trainers train rank-4 adapters (trainer/lora.py) on the frozen model.
 """
 
 import argparse
@@ -25,6 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--save", default="")
     ap.add_argument("--resume", default="")
+    ap.add_argument("--lora", action="store_true")
     args = ap.parse_args()
 
     import torch.distributed.checkpoint as dcp
@@ -39,16 +42,29 @@ def main() -> None:
     spec = parse_job_spec({"model": {"path": args.model},
                            "trainer": {"max_grad_norm": 1e6, "max_tokens_per_micro_batch": 64,
                                        "logprob_chunk_tokens": 16},
-                           "replay": {"replay_weight": 0.5}})
+                           "replay": {"replay_weight": 0.5},
+                           **({"lora": {"rank": 4, "alpha": 8}} if args.lora else {})})
     cpu = torch.device("cpu")
 
     def fresh():
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                      local_files_only=True)
+        if spec.lora is not None:
+            from reflow.trainer.lora import apply_lora
+
+            torch.manual_seed(1)  # the same adapter initialisation in both trainers
+            apply_lora(model, spec.lora)
+            # B = 0 would leave A's gradient 0 on the first step: start both away from it.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if ".lora_B." in name:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2))
+                                * 0.01)
         return model
 
     def optimizer_of(params):
-        return torch.optim.AdamW(params, lr=spec.trainer.learning_rate,
+        return torch.optim.AdamW([p for p in params if p.requires_grad],
+                                 lr=spec.trainer.learning_rate,
                                  weight_decay=spec.trainer.weight_decay)
 
     vocab = fresh().config.vocab_size
@@ -78,7 +94,10 @@ def main() -> None:
     for trajectories in batches:
         compute_step(single, single_opt, spec, trajectories, 0, cpu)
         compute_step(root, opt, spec, trajectories, 0, cpu, group=group)
-    reference = dict(single.named_parameters())
+    # Under the names a sync sends (PEFT's for adapters: fsdp.policy_parameters).
+    from reflow.trainer.lora import synced_parameters
+
+    reference = dict(synced_parameters(single))
     # Per-rank bytes of parameters and AdamW state held (local shards).
     from torch.distributed.tensor import DTensor
 

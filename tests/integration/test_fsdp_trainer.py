@@ -74,3 +74,20 @@ def test_a_checkpoint_written_by_two_ranks_resumes_at_three_and_trains_uneven_ba
     assert saved["exp_avg"].keys() == loaded["exp_avg"].keys() and saved["exp_avg"]
     for name, t in saved["exp_avg"].items():
         assert torch.equal(t, loaded["exp_avg"][name]), name
+
+
+def test_fsdp_trains_lora_adapters_as_the_single_trainer_and_syncs_only_them(
+        tiny_model, tmp_path):
+    reports = _group(tiny_model, tmp_path, 2, "--lora")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    for r in reports:
+        # The adapters after 3 steps are the unsharded trainer's, and they alone went
+        # to the engine (a fraction of the model's bytes).
+        assert r["max_abs_diff"] is not None and r["max_abs_diff"] < TOLERANCE, r
+        # Each rank holds half the frozen weights, and AdamW state for adapters only.
+        assert r["held_bytes"] < 0.75 * whole, r
+    assert reports[0]["engine_has_trained_weights"] is True
+    assert reports[0]["largest_param_bytes"] < whole / 20

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,11 @@ class TrainLoop(GroupMembership, WeightPublisher):
         # largest mean difference an engine showed at the last check (sync_check.py).
         self._probe_expected: list[float] | None = None
         self.last_sync_check = 0.0
+        # The last version's check, running beside training (publish.py), on threads
+        # of its own: it waits on the engines, never on the weight-sync threads.
+        self._engine_check: Future | None = None
+        self._check_pool = ThreadPoolExecutor(max_workers=len(rollouts) + 1,
+                                              thread_name_prefix="sync-check")
         self.sync_bytes = 0
         # trainer.parallelism resolved at load(); with fsdp, the FSDP root over the
         # model once the group is formed (trainer/fsdp.py), and the whole weights
@@ -370,6 +375,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
             checkpoint_s = 0.0
             if self.checkpointer is not None and self.checkpointer.due(self.step):
                 checkpoint_s = self.checkpoint()
+        # The last version's sync check: a job whose engines ended on other weights fails.
+        self.finish_engine_check()
         if self.root is not None:
             # The final export's whole weights, gathered to this leader by every rank.
             self.group.send_command("export", self.step)
@@ -585,6 +592,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._check_pool.shutdown(wait=False, cancel_futures=True)
         self.evals.close()
         self.close_tracking()
         if self.root is not None and self.group is not None:

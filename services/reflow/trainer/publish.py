@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 # How long a rebuild waits for the replaced worker's engine to run again.
 ENGINE_RETURN_TIMEOUT_S = 600.0
+# How long one engine may take to score the sync check's probe: it waits behind
+# the recomputation of every request the sync paused.
+PROBE_DEADLINE_S = 300.0
 
 
 def publish_to_buffer(replay, job_id: str, version: int) -> int:
@@ -112,6 +115,8 @@ class WeightPublisher:
         partial rollout off, as verl's one_step_off, the pause lets the samples in
         flight finish under the old weights)."""
         t0 = time.monotonic()
+        # The previous version's check first: a mismatch fails the job here.
+        self.finish_engine_check()
         version = self.policy_version + 1
         futures = [
             self._pool.submit(client.update_weights, self.job_id, version,
@@ -129,7 +134,7 @@ class WeightPublisher:
         sender.result()
         updates = [f.result() for f in futures]
         self.policy_version = version
-        self.check_engines()
+        self._start_engine_check()
         publish_to_buffer(self.replay, self.job_id, version)
         return time.monotonic() - t0, max((u.pause_s for u in updates), default=0.0)
 
@@ -159,24 +164,47 @@ class WeightPublisher:
         return trainer_probe_logprobs(self.trained, self.probe_ids, device,
                                       self.spec.trainer.logprob_chunk_tokens)
 
-    def check_engines(self, expected: list[float] | None = None) -> None:
-        """Every engine's probe against the trainer's (`expected`; None: the one the
-        last publish scored). Raises WeightSyncMismatch, which fails the job."""
-        if not self.spec.rollout.sync_check:
-            return
-        expected = expected if expected is not None else self._probe_expected
+    def check_engines(self, version: int, expected: list[float]) -> None:
+        """Every engine's probe against the trainer's (`expected`, scored under
+        `version`). Raises WeightSyncMismatch, which fails the job. An engine that
+        cannot answer (it died, or stands by asleep) is not checked: its
+        replacement is re-synced and checked like any engine."""
         tolerance = (self.spec.rollout.sync_check_tolerance
                      or DEFAULT_TOLERANCE[self.spec.model.dtype])
-        futures = [(c, self._pool.submit(c.score_tokens, self.job_id, self.probe_ids))
+        futures = [(c, self._check_pool.submit(c.score_tokens, self.job_id, self.probe_ids,
+                                               PROBE_DEADLINE_S))
                    for c in self.rollouts]
         worst = 0.0
         for client, future in futures:
-            engine_version, got = future.result()
-            worst = max(worst, check_engine(client.address, self.policy_version, engine_version,
+            try:
+                engine_version, got = future.result()
+            except Exception as err:  # noqa: BLE001 - a lost engine is the rebuild's to handle
+                logger.warning("job %s: v%d not checked on rollout engine %s (%s: %s)",
+                               self.job_id, version, client.address, type(err).__name__, err)
+                continue
+            worst = max(worst, check_engine(client.address, version, engine_version,
                                             expected, got, tolerance, self.spec.lora is not None))
         self.last_sync_check = worst
         logger.debug("job %s: v%d: engines match the trainer (mean |Δ log-prob| <= %.2g)",
-                     self.job_id, self.policy_version, worst)
+                     self.job_id, version, worst)
+
+    def _start_engine_check(self) -> None:
+        """Check the version just published beside training, not in the trainer's
+        way: after a sync each engine first recomputes the KV cache of the requests
+        it paused (partial rollout), and the probe waits behind them (15 s of a
+        SmolLM2 engine's time, measured). The next publish, or the end of the
+        job, takes the result (`finish_engine_check`)."""
+        if not self.spec.rollout.sync_check:
+            return
+        self.finish_engine_check()
+        self._engine_check = self._check_pool.submit(
+            self.check_engines, self.policy_version, self._probe_expected)
+
+    def finish_engine_check(self) -> None:
+        """Wait for the last version's check; raises its WeightSyncMismatch."""
+        check, self._engine_check = self._engine_check, None
+        if check is not None:
+            check.result()
 
     def check_engines_at_start(self) -> None:
         """The engines against the trainer before the first step: what they loaded
@@ -185,7 +213,7 @@ class WeightPublisher:
             return
         if self.root is not None:
             self.group.send_command("probe", self.step)
-        self.check_engines(self.probe_expected())
+        self.check_engines(self.policy_version, self.probe_expected())
 
     def _publish_or_rebuild(self) -> tuple[float, float]:
         """`_publish`, and when a rollout worker's update fails, rebuild the group

@@ -353,3 +353,38 @@ def test_a_boundary_waits_for_the_scripted_flips_due_and_no_longer(tiny_model):
     # A report alone (a refused flip) leaves the pending membership as it is.
     assert leader.reconfigure(None, scripted_flips=1) == 1
     assert leader._pending_peers == ["replica-d:1"]
+
+
+def test_a_lora_joiner_takes_the_adapters_and_their_adamw_state_only(tiny_model):
+    """A role flip in a LoRA job moves the adapters and their optimizer state; the
+    frozen base weights are model.path's on every rank and never move."""
+    spec = parse_job_spec({"model": {"path": tiny_model}, "trainer": {"max_grad_norm": 1e6},
+                           "cluster": {"workers": 2, "state_handoff": "auto"},
+                           "lora": {"rank": 4, "alpha": 8}})
+    leader = _leader(spec)
+    leader.share_state()
+    for _ in range(2):
+        _step(leader, _trajectories(8, vocab=20))
+    whole = sum(p.numel() * p.element_size() for p in leader.model.parameters())
+    adapters = [p for p in leader.model.parameters() if p.requires_grad]
+    # Adapters, then two AdamW moments and a step count each: a fraction of the model.
+    assert leader.shared_state.size < whole / 2
+    late = _replica(spec, "replica-d:1")
+    with torch.no_grad():  # a joiner's own adapters must be overwritten
+        next(p for p in late.loop.model.parameters() if p.requires_grad).add_(1.0)
+    leader.reconfigure(["replica-d:1"])
+    leader.apply_membership()
+    _wait(lambda: late.state == "training")
+    trained = [q for q in late.loop.model.parameters() if q.requires_grad]
+    assert len(trained) == len(adapters)
+    for p, q in zip(adapters, trained):
+        assert torch.equal(p, q)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(leader.optimizer.state[p][key], late.loop.optimizer.state[q][key])
+    _step(leader, _trajectories(8, vocab=20))
+    _wait(lambda: late.steps_trained == 1)
+    for p, q in zip(leader.model.parameters(), late.loop.model.parameters()):
+        assert torch.equal(p, q)
+    leader.group.send_command("stop", leader.step)
+    _wait(lambda: late.state == "succeeded")
+    leader.unshare_state()

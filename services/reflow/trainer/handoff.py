@@ -76,9 +76,12 @@ def materialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def _state_slots(model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> list[tuple[object, str | None]]:
     """Where each state tensor lives, in the order every replica agrees on:
-    parameters (`.data`, key None), then each parameter's optimizer-state tensors."""
+    parameters (`.data`, key None), then each parameter's optimizer-state tensors.
+    Trainable parameters only: a frozen one (LoRA's base weights) is model.path's
+    on every rank, so a role flip moves a LoRA job's adapters and their AdamW state
+    alone."""
     materialise_optimizer_state(optimizer)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     slots: list[tuple[object, str | None]] = [(p, None) for p in params]
     for p in params:
         state = optimizer.state[p]

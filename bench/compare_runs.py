@@ -1,10 +1,13 @@
 """Compare the learning curves of finished runs, step for step.
 
-    python bench/compare_runs.py runs/a runs/b ... [--out FILE]
+    python bench/compare_runs.py runs/a runs/b ... [--steps N] [--out FILE]
 
 For each run directory prints the mean reward of the first 10, the last 10
 and the last 50 steps and over all steps, the mean replay fraction and the
-samples evicted for staleness; with --out writes the same as JSON.
+samples evicted for staleness; with --out writes the same as JSON, with the
+held-out scores by version and the median step, optimisation and weight-sync
+times. `--steps N`: every run's first N steps only (runs compared at the same
+number of trained samples).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from pathlib import Path
 from reflow.report import read_metrics
 
 
-def stats(run_dir: Path) -> dict:
-    records = read_metrics(run_dir / "metrics.jsonl")
+def stats(run_dir: Path, steps: int | None = None) -> dict:
+    records = read_metrics(run_dir / "metrics.jsonl")[:steps]
     if not records:
         raise SystemExit(f"{run_dir}: no metrics.jsonl records")
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     rewards = [r["reward_mean"] for r in records]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {
@@ -39,15 +43,22 @@ def stats(run_dir: Path) -> dict:
         "first_use_tokens_per_s": sum(r["first_use_tokens"] for r in records)
         / sum(r["step_time_s"] for r in records)
         if all("first_use_tokens" in r for r in records) else None,
+        "eval_reward_by_version": {str(r["eval_policy_version"]): r["eval_reward"]
+                                   for r in records if r.get("eval_reward") is not None},
+        "step_time_s_median": median([r["step_time_s"] for r in records]),
+        "train_s_median": median([r["train_s"] for r in records]),
+        "weight_sync_s_median": median([r["weight_sync_s"] for r in records]),
+        "weight_sync_bytes": records[-1].get("weight_sync_bytes"),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--steps", type=int, help="compare each run's first N steps")
     parser.add_argument("--out")
     args = parser.parse_args()
-    rows = [stats(r) for r in args.runs]
+    rows = [stats(r, args.steps) for r in args.runs]
     print(f"{'run':<40}{'first10':>8}{'last10':>8}{'last50':>8}{'all':>8}{'replay':>8}"
           f"{'evicted':>9}{'tok/s':>8}{'first-use tok/s':>16}")
     for r in rows:

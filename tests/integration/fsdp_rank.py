@@ -92,8 +92,24 @@ def main() -> None:
         set_state_dict(single, single_opt, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
     for trajectories in batches:
+        # The weight-sync check's probe between steps (trainer/sync_check.py), as the
+        # trainer scores it after each publish: it must leave the steps unchanged.
+        from reflow.trainer.sync_check import trainer_probe_logprobs
+
+        probes = [trainer_probe_logprobs(m, list(range(1, 17)), cpu, 16)
+                  for m in (single, root)]
+        report["probe_max_abs_diff"] = max(report.get("probe_max_abs_diff", 0.0),
+                                           max(abs(a - b) for a, b in zip(*probes)))
         compute_step(single, single_opt, spec, trajectories, 0, cpu)
         compute_step(root, opt, spec, trajectories, 0, cpu, group=group)
+    # After a last probe the root holds its shards again: FSDP2 registers the gathered
+    # parameters on a module while they are gathered, and an optimizer (and the
+    # reshard's step counts) keys its state by the sharded ones.
+    from torch.distributed.tensor import DTensor
+
+    trainer_probe_logprobs(root, list(range(1, 17)), cpu, 16)
+    report["probe_leaves_shards"] = all(isinstance(p, DTensor)
+                                        for _, p in fsdp.policy_parameters(root))
     # Under the names a sync sends (PEFT's for adapters: fsdp.policy_parameters).
     from reflow.trainer.lora import synced_parameters
 

@@ -43,6 +43,9 @@ def test_fsdp_at_two_ranks_trains_the_single_trainers_weights_holding_half(two_r
     out, reports = two_ranks
     for r in reports:
         assert r["max_abs_diff"] is not None and r["max_abs_diff"] < TOLERANCE, r
+        # The sync check's probe forward between steps changed nothing in them, and
+        # left the parameters sharded.
+        assert r["probe_max_abs_diff"] < TOLERANCE and r["probe_leaves_shards"], r
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
@@ -87,6 +90,7 @@ def test_fsdp_trains_lora_adapters_as_the_single_trainer_and_syncs_only_them(
         # The adapters after 3 steps are the unsharded trainer's, and they alone went
         # to the engine (a fraction of the model's bytes).
         assert r["max_abs_diff"] is not None and r["max_abs_diff"] < TOLERANCE, r
+        assert r["probe_max_abs_diff"] < TOLERANCE, r
         # Each rank holds half the frozen weights, and AdamW state for adapters only.
         assert r["held_bytes"] < 0.75 * whole, r
     assert reports[0]["engine_has_trained_weights"] is True

@@ -49,6 +49,7 @@ def trainer_probe_logprobs(model: torch.nn.Module, token_ids: list[int],
     """log p(token t+1 | tokens ..t) under the trainer's policy at temperature 1,
     without dropout. `model`: the model, or the FSDP root (every rank of the
     group must call it then: the forward is a collective)."""
+    from reflow.trainer.fsdp import PolicyScorer
     from reflow.trainer.step import sequence_logprobs
 
     ids = torch.tensor([token_ids], device=device)
@@ -56,12 +57,18 @@ def trainer_probe_logprobs(model: torch.nn.Module, token_ids: list[int],
     model.eval()
     try:
         with torch.no_grad():
-            if type(model).__name__ == "PolicyScorer":
+            if isinstance(model, PolicyScorer):  # FSDP's root (its class is FSDPPolicyScorer)
                 out = model(ids, torch.ones_like(ids), 1.0, chunk_tokens)
             else:
                 out = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, chunk_tokens)
     finally:
         model.train(was_training)
+        if isinstance(model, PolicyScorer) and hasattr(model, "reshard"):
+            # FSDP2 keeps the root's parameters gathered after a forward; gathered
+            # under no_grad, the next training forward would reuse them without the
+            # hooks that reduce-scatter their gradients (the AdamW state of the
+            # embedding and final norm went missing: measured). Shard them again.
+            model.reshard()
     return [float(x) for x in out[0].float().cpu()]
 
 

@@ -194,7 +194,7 @@ class WeightPublisher:
         it paused (partial rollout), and the probe waits behind them (15 s of a
         SmolLM2 engine's time, measured). The next publish, or the end of the
         job, takes the result (`finish_engine_check`)."""
-        if not self.spec.rollout.sync_check:
+        if not self.spec.rollout.sync_check or not self.rollouts:
             return
         self.finish_engine_check()
         self._engine_check = self._check_pool.submit(
@@ -209,7 +209,7 @@ class WeightPublisher:
     def check_engines_at_start(self) -> None:
         """The engines against the trainer before the first step: what they loaded
         from model.path (and a resumed job's resync) is the policy the trainer holds."""
-        if not self.spec.rollout.sync_check:
+        if not self.spec.rollout.sync_check or not self.rollouts:
             return
         if self.root is not None:
             self.group.send_command("probe", self.step)

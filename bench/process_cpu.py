@@ -12,7 +12,7 @@ role's cores used is its CPU seconds over the window's wall seconds (1.0 = one c
 busy the whole window).
 
 Roles come from how `reflow run` starts its processes (reflow.launcher, the local
-backend in reflow.scheduler.local): each service is `python -m reflow.cli serve
+backend in reflow.scheduler.cluster.local): each service is `python -m reflow.cli serve
 SERVICE`, the rollout service's vLLM engine core renames itself `VLLM::EngineCore` (and
 a multiprocess executor's workers `VLLM::Worker_*`), and the embedded Redis is
 `redis-server`. The rollout service's own process is the "rollout front end": our

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from reflow.core.config import JobSpec, dump_job_spec
 from reflow.core.paths import MODELS_ROOT_ENV, RUNS_ROOT_ENV
-from reflow.scheduler.jobs import TERMINAL
+from reflow.scheduler.jobcontrol.jobs import TERMINAL
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class SandboxProcess:
 
     def __init__(self, run_dir: Path, env: dict[str, str]) -> None:
         from reflow import procs
-        from reflow.scheduler.local import record_endpoints
+        from reflow.scheduler.cluster.local import record_endpoints
 
         port, metrics_port = procs.free_ports(2)
         self.run_dir = run_dir
@@ -193,7 +193,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     from reflow.report import plot, read_metrics, summarize
     from reflow.scheduler.client import GrpcSchedulerClient
     from reflow.core.errors import FailedPrecondition, NotFound
-    from reflow.scheduler.local import record_endpoints
+    from reflow.scheduler.cluster.local import record_endpoints
     from reflow.sandbox.client import ADDRESS_ENV as SANDBOX_ADDRESS_ENV
     from reflow.tasks.confine import SECRET_PATHS_ENV
 
@@ -212,7 +212,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
     # SIGTERM ends a run like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     job_id = resume_job_id or f"{spec.name}-{stamp}"
-    phase = "FAILED"
+    phase, reason = "FAILED", ""
     scheduler = None
     try:
         # This run's gRPC credential and signing keys (rpcauth); each service it
@@ -317,9 +317,9 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
                     break
                 time.sleep(1.0)
         progress.close()
-        phase = job["phase"]
-        if job["reason"]:
-            print(f"job {job_id} {phase}: {job['reason']}", flush=True)
+        phase, reason = job["phase"], job["reason"]
+        if reason:
+            print(f"job {job_id} {phase}: {reason}", flush=True)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the job and every process it started", flush=True)
         phase = "STOPPED"
@@ -345,7 +345,7 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
         _reap_leftovers()
 
     records = read_metrics(run_dir / "metrics.jsonl")
-    summary = {"job_id": job_id, "phase": phase, **summarize(records)}
+    summary = {"job_id": job_id, "phase": phase, "reason": reason, **summarize(records)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if records:
         plot(records, run_dir / "report.png", title=f"{spec.name} ({phase.lower()})")

@@ -12,8 +12,8 @@ operation as its user against a real Redis.
 - `replay`: the buffer's per-job keys (replay/store.py) and the job grants
   (core/grants.py). The buffer serves every rollout and trainer process; it cannot
   read or rewrite a job record, the dispatch ledger, or anything else.
-- `scheduler`: the job store (scheduler/jobs.py) and the dispatch ledger
-  (scheduler/inflight.py, which sits in the job's hash slot beside the buffer's
+- `scheduler`: the job store (scheduler/jobcontrol/jobs.py) and the dispatch ledger
+  (scheduler/generation/inflight.py, which sits in the job's hash slot beside the buffer's
   keys but under names of its own). It reads no sample: it learns a buffer's
   counters through the buffer's own `GetStats`.
 - `default`: the administrator (every key and command), with a password that no
@@ -25,7 +25,7 @@ as SHA-256 hashes in the ACL file (Redis's `#<hash>` form).
 
 Not here: how a store connects (redisconn.py), the key layouts themselves (the
 stores' docstrings), and which process receives which URL (launcher.py,
-scheduler/local.py, the chart's `reflow.redisEnv`).
+scheduler/cluster/local.py, the chart's `reflow.redisEnv`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ a repeat is a no-op (put, release, publish, renew, job saves and creation), or
 errs safe as a lost reply does (a repeated lease expires and gives its samples
 back; a repeated dispatch grant counts toward the budget without being used).
 
-Not here: which commands to send (replay/store.py, scheduler/jobs.py), and how
+Not here: which commands to send (replay/store.py, scheduler/jobcontrol/jobs.py), and how
 an error becomes a status code (rpc.py).
 """
 

@@ -362,10 +362,16 @@ def transient_as_unavailable(what: str, also: tuple = ()) -> Iterator[None]:
         raise Unavailable(f"{what}: {err.code().name}: {err.details()}") from err
 
 
+class ExitedWhileStarting(RuntimeError):
+    """The process that was to serve an address exited before it was healthy."""
+
+
 def wait_healthy(address: str, timeout_s: float, service: str = "",
-                 role: str | None = None) -> None:
+                 role: str | None = None, alive: Callable[[], bool] | None = None) -> None:
     """Block until the server at `address` reports SERVING, or raise TimeoutError.
-    `role`: the server's role, which its certificate must name under TLS."""
+    `role`: the server's role, which its certificate must name under TLS;
+    `alive()`: whether the process starting it still runs (ExitedWhileStarting
+    as soon as it does not, rather than at the timeout)."""
     import time
 
     deadline = time.monotonic() + timeout_s
@@ -373,6 +379,9 @@ def wait_healthy(address: str, timeout_s: float, service: str = "",
     with channel(address, role) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                raise ExitedWhileStarting(f"the process serving {address} exited before it "
+                                          "was healthy")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

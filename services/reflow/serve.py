@@ -2,7 +2,7 @@
 and shut it down cleanly on SIGTERM or SIGINT. Every container runs this.
 
 Environment: REFLOW_BACKEND (scheduler: local | kubernetes; see
-scheduler/kube.py for the latter's settings), REDIS_URL (replay, scheduler: each
+scheduler/cluster/kube.py for the latter's settings), REDIS_URL (replay, scheduler: each
 its own Redis user's, reflow/redis_acl.py; an embedded Redis starts when it is
 unset), REFLOW_REPLAY_REDIS_URL (scheduler with the local backend: the URL of the
 buffers it starts; its own when unset), REFLOW_DATA_DIR (embedded Redis
@@ -168,9 +168,9 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
         shutdown = core.close
     elif name == "scheduler":
         from reflow import redisconn
-        from reflow.scheduler.jobs import JobStore
+        from reflow.scheduler.jobcontrol.jobs import JobStore
         from reflow.scheduler.server import serve
-        from reflow.scheduler.service import Scheduler
+        from reflow.scheduler.jobcontrol.service import Scheduler
 
         url, embedded = _redis_url()
         backend = _cluster_backend(url)
@@ -197,7 +197,7 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
 
         def shutdown() -> None:
             # A SIGTERM (helm upgrade, a drained node) hands the jobs over to the
-            # next scheduler instead of stopping them (scheduler/recovery.py).
+            # next scheduler instead of stopping them (scheduler/jobcontrol/recovery.py).
             core.shutdown(handover=True)
             if lease is not None:
                 lease.release()
@@ -256,11 +256,11 @@ def _cluster_backend(redis_url: str):
     backend = os.environ.get("REFLOW_BACKEND", "local")
     if backend == "local":
         from reflow.redis_acl import REPLAY_URL_ENV
-        from reflow.scheduler.local import LocalBackend
+        from reflow.scheduler.cluster.local import LocalBackend
 
         return LocalBackend(os.environ.get(REPLAY_URL_ENV) or redis_url)
     if backend == "kubernetes":
-        from reflow.scheduler.kube import KubernetesBackend
+        from reflow.scheduler.cluster.kube import KubernetesBackend
 
         return KubernetesBackend.from_env()
     raise SystemExit(f"REFLOW_BACKEND: {backend!r} is not one of local, kubernetes")

@@ -224,3 +224,101 @@ def test_a_killed_redis_comes_back_from_its_append_only_file_and_nothing_is_lost
     _assert_steps_once_and_versions_rise(records)
     assert not (out / "metrics.superseded.jsonl").exists()
     _assert_ledger_balances(records, [])
+
+
+def _kill_trainers(proc, cli, out: Path, kills: int, ready) -> list[float]:
+    """SIGKILL `kills` successive trainer processes of the job, each once
+    `ready(pid, kill_times)` says so; returns when each was killed."""
+    killed: list[float] = []
+    last_pid = None
+    deadline = time.monotonic() + 600
+    while len(killed) < kills:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"only {len(killed)} of {kills} kills in time"
+        pid = _service_pid(cli, "trainer")
+        if pid is not None and pid != last_pid and ready(pid, killed):
+            psutil.Process(pid).send_signal(signal.SIGKILL)
+            killed.append(time.time())
+            last_pid = pid
+        time.sleep(0.05)
+    return killed
+
+
+@pytest.mark.slow
+def test_more_trainer_deaths_than_the_budget_spread_over_the_window_succeed(tmp_path,
+                                                                            tiny_model):
+    """Four trainer kills, each more than cluster.restart_window_s after the last and
+    each after the restarted trainer recorded a step: one over the default budget
+    (3) as a lifetime count, none a crash loop. The job succeeds, every step once."""
+    window_s, kills = 8.0, 4
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
+         "trainer.num_steps=48", f"trainer.checkpoint_interval={INTERVAL}",
+         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}",
+         "trainer.batch_timeout_s=240", f"cluster.restart_window_s={window_s}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    cli = psutil.Process(proc.pid)
+    seen: dict[int, int] = {}
+
+    def ready(pid: int, killed: list[float]) -> bool:
+        # Progress under this trainer process (a step recorded since it started), and
+        # the last kill out of the window.
+        steps = len(_records(out / "metrics.jsonl"))
+        seen.setdefault(pid, steps)
+        return (steps > seen[pid] + 1 and steps >= 2 * INTERVAL
+                and (not killed or time.time() - killed[-1] > window_s + 1))
+
+    killed = _kill_trainers(proc, cli, out, kills, ready)
+    output = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0, output[-4000:]
+    assert json.loads((out / "summary.json").read_text())["phase"] == "SUCCEEDED"
+    restarts = _restarts(out, "trainer")
+    assert len(restarts) == kills, restarts
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 49))
+    _assert_ledger_balances(records, _records(out / "metrics.superseded.jsonl"))
+    gaps = [round(b - a, 1) for a, b in zip(killed, killed[1:])]
+    print(json.dumps({"trainer_kills": kills, "seconds_between_kills": gaps,
+                      "restart_s": [e["restart_s"] for e in restarts]}))
+
+
+@pytest.mark.slow
+def test_a_trainer_dying_in_a_tight_loop_fails_the_job_fast_naming_the_crash_loop(tmp_path,
+                                                                                  tiny_model):
+    """Each new trainer process is killed as soon as it is up: with
+    cluster.max_restarts=2 the third death inside the window fails the job, its
+    reason naming the crash loop, after two restarts (the second backed off). A
+    trainer killed while it starts counts as a death too, at once, not after the
+    restart's health timeout."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
+         f"trainer.num_steps={NUM_STEPS}", f"trainer.checkpoint_interval={INTERVAL}",
+         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}",
+         "cluster.max_restarts=2", "cluster.restart_backoff_s=1"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    cli = psutil.Process(proc.pid)
+    descendants: set[int] = set()
+
+    def ready(pid: int, killed: list[float]) -> bool:
+        descendants.update(p.pid for p in cli.children(recursive=True))
+        return len(_records(out / "metrics.jsonl")) >= 2 or bool(killed)
+
+    killed = _kill_trainers(proc, cli, out, 3, ready)
+    output = proc.communicate(timeout=600)[0]
+    failed_at = time.time()
+    assert proc.returncode != 0, output[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phase"] == "FAILED", summary
+    assert "crash loop: trainer died 3 times within 600 s" in summary["reason"], summary
+    assert "cluster.max_restarts=2" in summary["reason"], summary
+    # Two restarts: each either came up and was killed, or was killed while starting.
+    attempts = [e for e in _records(out / "scheduler_events.jsonl")
+                if e.get("event") in ("service_restarted", "service_died_starting")
+                and e["service"] == "trainer"]
+    assert len(attempts) == 2, attempts
+    assert not [p for p in descendants if _alive(p)] + _processes_of(out)
+    print(json.dumps({"first_kill_to_failed_s": round(failed_at - killed[0], 1)}))

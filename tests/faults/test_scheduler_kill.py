@@ -28,7 +28,7 @@ from tests.waiting import wait_until
 from reflow.procs import free_port
 from reflow.replay.embedded import EmbeddedRedis
 from reflow.scheduler.client import GrpcSchedulerClient
-from reflow.scheduler.jobs import JobStore
+from reflow.scheduler.jobcontrol.jobs import JobStore
 from reflow.trainer.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,10 +15,10 @@ from reflow.api.app import ApiSettings, create_app
 from reflow.core.limits import OperatorLimits
 from reflow.core.paths import PathRoots
 from reflow.scheduler.client import GrpcSchedulerClient
-from reflow.scheduler.jobs import JobStore
-from reflow.scheduler.local import LocalBackend
+from reflow.scheduler.jobcontrol.jobs import JobStore
+from reflow.scheduler.cluster.local import LocalBackend
 from reflow.scheduler.server import serve
-from reflow.scheduler.service import Scheduler
+from reflow.scheduler.jobcontrol.service import Scheduler
 
 TOKEN = "test-token-0123456789"
 

@@ -11,8 +11,8 @@ import time
 from reflow.core.config import parse_job_spec
 from reflow.rollout.client import RolloutStats
 from reflow.rollout.records import SampleEvent
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.inflight import DispatchLedger
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.generation.inflight import DispatchLedger
 from reflow.tasks import TaskContext
 from reflow.tasks.base import Prompt
 from reflow.tasks.repeat import RepeatTask

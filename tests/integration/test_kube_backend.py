@@ -15,8 +15,8 @@ from reflow.core.errors import NoCapacity
 from reflow.core.paths import PathRoots
 from reflow.rollout import server as rollout_server
 from reflow.rollout.service import RolloutService
-from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings, parse_selector
-from reflow.scheduler.leader import LeaderLease
+from reflow.scheduler.cluster.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings, parse_selector
+from reflow.scheduler.cluster.leader import LeaderLease
 from reflow.trainer import server as trainer_server
 from reflow.trainer.service import TrainerService
 
@@ -218,8 +218,8 @@ def test_a_restarted_scheduler_takes_back_the_workers_of_jobs_it_failed(kube, wo
                                                                           redis_server, redis_client):
     import redis
 
-    from reflow.scheduler.jobs import JobRecord, JobStore
-    from reflow.scheduler.service import Scheduler
+    from reflow.scheduler.jobcontrol.jobs import JobRecord, JobStore
+    from reflow.scheduler.jobcontrol.service import Scheduler
 
     api_client, api = kube
     core = client.CoreV1Api(api_client)

@@ -29,9 +29,9 @@ from tests.waiting import wait_until
 from reflow.core.paths import PathRoots
 from reflow.replay.server import serve as serve_replay
 from reflow.replay.store import ReplayStore
-from reflow.scheduler.jobs import JobStore
-from reflow.scheduler.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings
-from reflow.scheduler.service import Scheduler
+from reflow.scheduler.jobcontrol.jobs import JobStore
+from reflow.scheduler.cluster.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings
+from reflow.scheduler.jobcontrol.service import Scheduler
 
 from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
 

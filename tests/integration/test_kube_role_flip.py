@@ -13,7 +13,7 @@ from kubernetes import client, watch
 from reflow import procs, rpc
 from reflow.rollout import server as rollout_server
 from reflow.rollout.service import RolloutService
-from reflow.scheduler.kube import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES, KubernetesBackend,
+from reflow.scheduler.cluster.kube import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES, KubernetesBackend,
                                    KubeSettings, PodNotInJob)
 from reflow.trainer import server as trainer_server
 from reflow.trainer.service import TrainerService
@@ -353,7 +353,7 @@ def test_a_flip_of_a_pod_that_is_not_the_jobs_is_refused(api, backend, tmp_path)
 
 def test_a_lost_pod_of_an_elastic_job_leaves_its_placement_and_is_idle_again(
         api, backend, worker_port, tmp_path):
-    """The job goes on without it (scheduler/elastic.py worker_lost): the pod is no
+    """The job goes on without it (scheduler/placement/elastic.py worker_lost): the pod is no
     longer the job's, watched for loss or released with it, and a pod that kept its
     labels (its container restarted) is free for the next job."""
     _pods(api)

@@ -17,7 +17,7 @@ from reflow.rollout.server import serve as serve_rollout
 from reflow.rollout.service import RolloutService
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
-from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.generation.dispatch import Dispatcher
 from reflow.trainer.client import GrpcTrainerClient
 from reflow.trainer.server import serve as serve_trainer
 from reflow.trainer.service import TrainerService

@@ -121,7 +121,7 @@ def test_stopping_a_dead_service_takes_what_it_left_behind(tmp_path):
 @pytest.mark.slow
 def test_a_placement_stops_clients_first_the_buffer_last_and_leaves_nothing(
         redis_server, tmp_path):
-    from reflow.scheduler.local import LocalBackend
+    from reflow.scheduler.cluster.local import LocalBackend
 
     backend = LocalBackend(redis_server.url)
     placement = backend.place("teardown", tmp_path)

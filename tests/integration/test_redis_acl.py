@@ -21,8 +21,8 @@ from reflow.procs import free_port
 from reflow.replay.embedded import EmbeddedRedis, redis_server_binary
 from reflow.replay.metrics import BufferMetrics
 from reflow.replay.store import ReplayStore
-from reflow.scheduler.inflight import DispatchLedger
-from reflow.scheduler.jobs import JobRecord, JobStore
+from reflow.scheduler.generation.inflight import DispatchLedger
+from reflow.scheduler.jobcontrol.jobs import JobRecord, JobStore
 from reflow.tasks.base import Prompt
 from tests.integration.samples import make_group
 

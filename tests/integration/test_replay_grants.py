@@ -192,7 +192,7 @@ class _OneBuffer:
         pass
 
     def place(self, job_id, run_dir, colocated=False):
-        from reflow.scheduler.local import Placement
+        from reflow.scheduler.cluster.local import Placement
 
         self.job_id = job_id
         return Placement(self.replay_address, [], "127.0.0.1:1")
@@ -213,8 +213,8 @@ def test_the_scheduler_ends_the_job_on_the_buffer_when_the_job_ends_not_at_a_han
     import redis
 
     from reflow.core.paths import PathRoots
-    from reflow.scheduler.jobs import JobStore
-    from reflow.scheduler.service import Scheduler
+    from reflow.scheduler.jobcontrol.jobs import JobStore
+    from reflow.scheduler.jobcontrol.service import Scheduler
 
     address, _, store = buffer
     reason = "handed over at step 0" if phase == "RUNNING" else ""
@@ -256,13 +256,13 @@ def test_a_buffer_that_does_not_answer_never_holds_up_the_job_s_end(monkeypatch,
     import redis
 
     from reflow.core.paths import PathRoots
-    from reflow.scheduler.jobs import JobStore
-    from reflow.scheduler.local import Placement
-    from reflow.scheduler.service import Scheduler
+    from reflow.scheduler.jobcontrol.jobs import JobStore
+    from reflow.scheduler.cluster.local import Placement
+    from reflow.scheduler.jobcontrol.service import Scheduler
 
-    monkeypatch.setattr("reflow.scheduler.service.END_JOB_DEADLINE_S", 0.5)
+    monkeypatch.setattr("reflow.scheduler.jobcontrol.service.END_JOB_DEADLINE_S", 0.5)
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), _OneBuffer(""),
                      PathRoots(tmp_path, tmp_path))
-    with caplog.at_level(logging.WARNING, logger="reflow.scheduler.service"):
+    with caplog.at_level(logging.WARNING, logger="reflow.scheduler.jobcontrol.service"):
         core._end_on_buffer("gone", Placement("127.0.0.1:1", [], "127.0.0.1:1"))
     assert "was not told the job ended" in caplog.text

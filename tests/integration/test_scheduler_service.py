@@ -9,10 +9,10 @@ import redis
 from reflow.core.paths import PathRoots
 from reflow.core.errors import Conflict, InvalidArgument, NoCapacity, NotFound
 from reflow.scheduler.client import GrpcSchedulerClient
-from reflow.scheduler.jobs import JobRecord, JobStore
-from reflow.scheduler.local import LocalBackend, Placement
+from reflow.scheduler.jobcontrol.jobs import JobRecord, JobStore
+from reflow.scheduler.cluster.local import LocalBackend, Placement
 from reflow.scheduler.server import serve
-from reflow.scheduler.service import Scheduler
+from reflow.scheduler.jobcontrol.service import Scheduler
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def _wait_for(fn, timeout_s=30):
 
 def test_a_job_waits_pending_for_free_workers_and_can_be_stopped_there(redis_server, redis_client,
                                                                        tmp_path, monkeypatch):
-    monkeypatch.setattr("reflow.scheduler.service.QUEUE_RETRY_S", 0.05)
+    monkeypatch.setattr("reflow.scheduler.jobcontrol.service.QUEUE_RETRY_S", 0.05)
     backend = FullBackend()
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend,
                      PathRoots(tmp_path, tmp_path))
@@ -185,7 +185,7 @@ def test_pending_jobs_are_placed_in_submission_order_and_a_handover_keeps_them_p
         redis_server, redis_client, tmp_path, monkeypatch):
     # Each waiting job would try again on its own timer; a second apart, submitted
     # half a second apart, whichever timer fired first after a release would win.
-    monkeypatch.setattr("reflow.scheduler.service.QUEUE_RETRY_S", 1.0)
+    monkeypatch.setattr("reflow.scheduler.jobcontrol.service.QUEUE_RETRY_S", 1.0)
     backend = OneSlotBackend()
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend,
                      PathRoots(tmp_path, tmp_path))

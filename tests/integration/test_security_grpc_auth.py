@@ -96,8 +96,8 @@ def cluster(redis_server, redis_client, tmp_path):
     """Each service on a server of its own, as in a release; jobs A and B granted
     on each by the scheduler's path (a control call carrying the job's token)."""
     from reflow.core.paths import PathRoots
-    from reflow.scheduler.jobs import JobStore
-    from reflow.scheduler.local import LocalBackend
+    from reflow.scheduler.jobcontrol.jobs import JobStore
+    from reflow.scheduler.cluster.local import LocalBackend
 
     rollout, trainer = RolloutService(), TrainerService()
     scheduler = RecordOnlyScheduler(JobStore(redis_client), LocalBackend(redis_server.url),

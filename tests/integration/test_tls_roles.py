@@ -78,8 +78,8 @@ def services(run_certs, redis_server, redis_client, tmp_path, monkeypatch):
     """The services of one run, each on a server of its own holding its role's
     certificate (the AsyncHybrid worker: the worker's): role -> address."""
     from reflow.core.paths import PathRoots
-    from reflow.scheduler.jobs import JobStore
-    from reflow.scheduler.local import LocalBackend
+    from reflow.scheduler.jobcontrol.jobs import JobStore
+    from reflow.scheduler.cluster.local import LocalBackend
 
     for env in ENVS:
         monkeypatch.delenv(env, raising=False)

@@ -28,8 +28,8 @@ from reflow.replay.metrics import BufferMetrics
 from reflow.replay.server import serve
 from reflow.replay.store import ReplayStore
 from reflow.rollout.client import RolloutStats
-from reflow.scheduler import jobs
-from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.jobcontrol import jobs
+from reflow.scheduler.generation.dispatch import Dispatcher
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
 from reflow.v1 import common_pb2, replay_pb2_grpc
@@ -226,12 +226,12 @@ def dispatcher_on(replay: GrpcReplayClient) -> Dispatcher:
 
 def dispatch_tracebacks(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records
-            if r.name == "reflow.scheduler.dispatch" and r.exc_info is not None]
+            if r.name == "reflow.scheduler.generation.dispatch" and r.exc_info is not None]
 
 
 def test_a_dispatcher_whose_buffer_went_away_ends_in_one_line(redis_server, redis_client,
                                                               caplog):
-    caplog.set_level(logging.INFO, logger="reflow.scheduler.dispatch")
+    caplog.set_level(logging.INFO, logger="reflow.scheduler.generation.dispatch")
     server, port = serve(ReplayStore.from_url(redis_server.url), "127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     # The job's end: its buffer is gone and the scheduler closes the client while

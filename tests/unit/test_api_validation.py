@@ -5,7 +5,7 @@ from fastapi.testclient import TestClient
 
 from reflow.api.app import ApiSettings, create_app
 from reflow.core.errors import NotFound
-from reflow.scheduler.jobs import JobRecord
+from reflow.scheduler.jobcontrol.jobs import JobRecord
 
 
 TOKEN = "unit-test-token-0123456789"

@@ -12,7 +12,7 @@ from reflow.rollout.engine import TokenDelta
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.worker import RolloutWorker
-from reflow.scheduler.dispatch import Dispatcher
+from reflow.scheduler.generation.dispatch import Dispatcher
 
 
 class StaggeredEngine:

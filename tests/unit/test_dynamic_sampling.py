@@ -20,8 +20,8 @@ from reflow.rollout.engine import TokenDelta
 from reflow.rollout.metrics import rollout_registry
 from reflow.rollout.records import GROUP_FILTERED, SampleEvent
 from reflow.rollout.worker import RolloutWorker
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.inflight import DispatchLedger
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.generation.inflight import DispatchLedger
 from reflow.tasks import TaskContext
 from reflow.tasks.base import Prompt
 from reflow.tasks.repeat import RepeatTask

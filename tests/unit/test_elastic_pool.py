@@ -1,4 +1,4 @@
-"""The elastic pool's role flips (scheduler/elastic.py) over real RolloutWorkers,
+"""The elastic pool's role flips (scheduler/placement/elastic.py) over real RolloutWorkers,
 the real Dispatcher and real HybridWorkers, with a scripted trainer leader:
 a worker leaving rollout is taken out of routing, its samples in flight finish
 into the buffer (none lost), and the leader's group gains it at a sync
@@ -14,8 +14,8 @@ from reflow.core.errors import FailedPrecondition
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
 from reflow.rollout.worker import RolloutWorker
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.elastic import ElasticPool
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.placement.elastic import ElasticPool
 from reflow.trainer.client import TrainerStatus
 from reflow.worker.service import HybridWorker, RoleStatus
 
@@ -414,8 +414,8 @@ def test_response_lengths_that_grow_move_workers_to_rollout_and_back(pool_job):
     worker's production, so the split moves toward rollout at the first step past
     the cooldown; when they shorten again it moves back. Each decision lands on
     the step's record and as an event with carried_out."""
-    from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
-    from reflow.scheduler.placement_feed import PlacementFeed
+    from reflow.scheduler.placement.planner import PlacementPlanner, PlacementPolicy
+    from reflow.scheduler.placement.feed import PlacementFeed
 
     pool, dispatcher, clients, sources, budget, leader, events, hybrids = pool_job
     dispatcher.record = events.append  # the job's scheduling events, in one list here
@@ -449,8 +449,8 @@ def test_response_lengths_that_grow_move_workers_to_rollout_and_back(pool_job):
 
 
 def test_a_shift_inside_the_cooldown_waits_for_it(pool_job):
-    from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
-    from reflow.scheduler.placement_feed import PlacementFeed
+    from reflow.scheduler.placement.planner import PlacementPlanner, PlacementPolicy
+    from reflow.scheduler.placement.feed import PlacementFeed
 
     pool, dispatcher, *_ = pool_job
     planner = PlacementPlanner(PlacementPolicy(replay_cap=0.5, cooldown_steps=5, min_gain=0.1),

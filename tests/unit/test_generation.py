@@ -5,7 +5,7 @@ admission with least-loaded routing."""
 import pytest
 
 from reflow.core.config import parse_job_spec
-from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
+from reflow.scheduler.generation.concurrency import (ConcurrencyController, LengthEstimator, WorkerLoad,
                                          route)
 
 

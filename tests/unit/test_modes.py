@@ -83,7 +83,7 @@ def test_sync_is_colocated_and_the_others_get_their_own_cores(monkeypatch):
     hybrid engine); the asynchronous modes split the cores between them."""
     import os
 
-    from reflow.scheduler.local import LocalBackend
+    from reflow.scheduler.cluster.local import LocalBackend
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.delenv("REFLOW_PIN_CPUS", raising=False)

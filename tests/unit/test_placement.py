@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from reflow.scheduler.placement import (
+from reflow.scheduler.placement.planner import (
     PlacementPlanner,
     PlacementPolicy,
     WindowMeasurement,

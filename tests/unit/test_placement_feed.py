@@ -6,9 +6,9 @@ rollout_blocked_ratio, so a budget-bound rollout is not read as a slow one."""
 
 from reflow.core.clock import VirtualClock
 from reflow.core.config import parse_job_spec
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy
-from reflow.scheduler.placement_feed import PlacementFeed
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.placement.planner import PlacementPlanner, PlacementPolicy
+from reflow.scheduler.placement.feed import PlacementFeed
 from reflow.tasks import TaskContext
 from reflow.tasks.repeat import RepeatTask
 

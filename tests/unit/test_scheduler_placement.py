@@ -6,7 +6,7 @@ decision says it was not carried out."""
 from collections import Counter
 
 from reflow.core.config import parse_job_spec
-from reflow.scheduler.placement_feed import PlacementFeed, planner_for
+from reflow.scheduler.placement.feed import PlacementFeed, planner_for
 
 
 class Recorder:

@@ -15,11 +15,11 @@ import reflow.sim
 from reflow.replay.embedded import EmbeddedRedis
 from reflow.replay.store import ReplayStore
 from reflow.report import read_metrics, summarize
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.elastic import ElasticPool
-from reflow.scheduler.generation import ConcurrencyController
-from reflow.scheduler.placement import PlacementPlanner
-from reflow.scheduler.placement_feed import PlacementFeed
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.placement.elastic import ElasticPool
+from reflow.scheduler.generation.concurrency import ConcurrencyController
+from reflow.scheduler.placement.planner import PlacementPlanner
+from reflow.scheduler.placement.feed import PlacementFeed
 from reflow.sim.command import load_config, main, table
 from reflow.sim.costs import DecodeCost, SimConfig
 from reflow.sim.run import Simulation

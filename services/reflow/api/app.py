@@ -37,7 +37,7 @@ from reflow.core.config import JobSpec
 from reflow.core.errors import (
     Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
 )
-from reflow.scheduler.jobs import LOG_SERVICES, JobRecord
+from reflow.scheduler.jobcontrol.jobs import LOG_SERVICES, JobRecord
 
 logger = logging.getLogger(__name__)
 

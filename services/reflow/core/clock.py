@@ -1,6 +1,6 @@
 """The one clock the control path reads.
 
-The dispatcher (scheduler/dispatch.py) takes a `Clock`: production passes
+The dispatcher (scheduler/generation/dispatch.py) takes a `Clock`: production passes
 nothing and runs on wall time; the simulator (reflow.sim) passes a
 `VirtualClock` it moves itself, so the same classes decide on virtual time
 and a simulated hour of a 128-GPU job takes minutes, not an hour.

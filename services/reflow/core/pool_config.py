@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from reflow.core.restart_budget import RestartBudget
+
 
 class _Section(BaseModel):
     # NaN and infinity are refused as what they are ("finite number"), not by a bound
@@ -63,9 +65,27 @@ class ClusterConfig(_Section):
         "worker; below it the job fails. 2: down to the leader and one rollout worker.")
     max_restarts: int = Field(
         default=3, ge=0, le=1000,
-        description="Times the job controller restarts a service of the job that died (a "
-        "trainer resumes from its last checkpoint, trainer.checkpoint_interval) before the "
-        "job fails. 0: the first death fails the job.")
+        description="Restarts of one service of the job (a trainer resumes from its last "
+        "checkpoint, trainer.checkpoint_interval) allowed within cluster.restart_window_s; "
+        "one more death inside the window is a crash loop and fails the job. Deaths further "
+        "apart never add up. Also bounds the trainer's weight-sync rebuilds and trainer-group "
+        "breaks over the same window. 0: the first death fails the job.")
+    restart_window_s: float = Field(
+        default=600.0, gt=0, le=7 * 86400,
+        description="The sliding window, in seconds, over which cluster.max_restarts counts "
+        "a service's deaths (a crash-loop detector, not a lifetime budget).")
+    restart_backoff_s: float = Field(
+        default=2.0, ge=0, le=600,
+        description="Wait before a restart when the service already restarted within the "
+        "window: this, doubling with each recent restart, at most "
+        "cluster.restart_backoff_max_s. A first restart is immediate.")
+    restart_backoff_max_s: float = Field(default=60.0, ge=0, le=3600,
+                                         description="The longest restart backoff, seconds.")
+
+    def restart_budget(self) -> RestartBudget:
+        """The crash-loop detector these fields describe (core/restart_budget.py)."""
+        return RestartBudget(self.max_restarts, self.restart_window_s, self.restart_backoff_s,
+                             self.restart_backoff_max_s)
 
     @model_validator(mode="after")
     def _check_pool(self) -> ClusterConfig:

@@ -1,6 +1,6 @@
 """What a rollout worker keeps as it generates: each sample's tokens and version
 segments so far, its counters, and the sample events the job's dispatcher reads
-(reflow.scheduler.dispatch)."""
+(reflow.scheduler.generation.dispatch)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ time, and pushes every finished group to the replay buffer (paper §4.1
 step 2).
 
 The worker only generates. What to generate, and how much at once, is the
-job's dispatcher's call (reflow.scheduler.dispatch, paper §6.1): it submits
+job's dispatcher's call (reflow.scheduler.generation.dispatch, paper §6.1): it submits
 GRPO groups by id (`submit_group`, idempotent) and follows each sample's end
 through the worker's event log (`wait_events`), which is how it frees that
 sample's concurrency slot the moment it ends, not when the slowest sample of

@@ -10,8 +10,8 @@ import grpc
 from reflow.core.errors import (
     Conflict, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable,
 )
-from reflow.scheduler.jobs import JobRecord
-from reflow.scheduler.local import ServiceLog
+from reflow.scheduler.jobcontrol.jobs import JobRecord
+from reflow.scheduler.cluster.local import ServiceLog
 
 
 def _translate(fn):

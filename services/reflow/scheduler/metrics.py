@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from reflow import redisconn
 from reflow.core import deadline
 from reflow.core.errors import Unavailable
-from reflow.scheduler.jobs import PHASES
+from reflow.scheduler.jobcontrol.jobs import PHASES
 
 logger = logging.getLogger(__name__)
 

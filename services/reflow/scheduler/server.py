@@ -8,8 +8,8 @@ import json
 import grpc
 
 from reflow import rpc
-from reflow.scheduler.jobs import JobRecord
-from reflow.scheduler.service import Scheduler
+from reflow.scheduler.jobcontrol.jobs import JobRecord
+from reflow.scheduler.jobcontrol.service import Scheduler
 from reflow.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 

@@ -1,6 +1,6 @@
 """The elastic pool of a simulated job (paper §5): units of
 `costs.gpus_per_engine` GPUs, each an engine or a share of the trainer group,
-moved by the product's ElasticPool (scheduler/elastic.py) as Algorithm 1 (its
+moved by the product's ElasticPool (scheduler/placement/elastic.py) as Algorithm 1 (its
 PlacementPlanner, fed by its PlacementFeed from the simulated step records)
 asks.
 

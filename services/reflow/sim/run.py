@@ -38,10 +38,10 @@ from reflow.core.pool_config import ClusterConfig
 from reflow.replay.client import InprocReplayClient
 from reflow.replay.store import ReplayStore
 from reflow.report import plot
-from reflow.scheduler.dispatch import BUDGET_POLL_S, Dispatcher
-from reflow.scheduler.elastic import ElasticPool
+from reflow.scheduler.generation.dispatch import BUDGET_POLL_S, Dispatcher
+from reflow.scheduler.placement.elastic import ElasticPool
 from reflow.rollout.scoring import GroupScoring
-from reflow.scheduler.placement_feed import PlacementFeed, planner_for
+from reflow.scheduler.placement.feed import PlacementFeed, planner_for
 from reflow.sim.costs import SimConfig
 from reflow.sim.engine import SimEngine
 from reflow.sim.lora import transfers

@@ -120,6 +120,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.scripted_flips_seen = 0
         # Times the group broke by a member's loss (trainer/membership.py).
         self.group_failures = 0
+        # When each break and counted rebuild happened: both are bounded by
+        # cluster.max_restarts within cluster.restart_window_s (core/restart_budget.py).
+        self.group_failure_times: list[float] = []
+        self.weight_sync_rebuild_times: list[float] = []
         # Engines of lost workers that left the job (trainer/membership.py).
         self._pending_engines: list[str] | None = None
         self.retired_engines: list[str] = []

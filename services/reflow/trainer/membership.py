@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 
+from reflow.core.restart_budget import CrashLoop
 from reflow.procs import free_port
 from reflow.trainer.dp import GroupBroken, TrainerGroup
 from reflow.weightsync import new_rendezvous_key
@@ -322,12 +323,14 @@ class GroupMembership:
     def _regroup_after(self, err: GroupBroken) -> None:
         """The group broke during a step (a replica's worker died): rebuild it now
         from the replicas still there, so that the step can run again. Bounded by
-        cluster.max_restarts over the job."""
+        cluster.max_restarts within cluster.restart_window_s (a crash loop fails)."""
         self.group_failures += 1
-        if self.group_failures > self.spec.cluster.max_restarts:
-            raise RuntimeError(f"the trainer group broke {self.group_failures} times "
-                               f"(cluster.max_restarts={self.spec.cluster.max_restarts}): "
-                               f"{err}") from err
+        budget, now = self.spec.cluster.restart_budget(), time.time()
+        try:
+            budget.admit("the trainer group", self.group_failure_times, now)
+        except CrashLoop as loop:
+            raise RuntimeError(f"{loop}: {err}") from err
+        self.group_failure_times = [*budget.recent(self.group_failure_times, now), now]
         broken, self.group = self.group, None
         if broken is not None:
             broken.abort()  # the survivors' collectives fail now, and they stand by

@@ -218,7 +218,7 @@ class WeightPublisher:
     def _publish_or_rebuild(self) -> tuple[float, float]:
         """`_publish`, and when a rollout worker's update fails, rebuild the group
         once the job's workers run again and publish as a resync (bounded by
-        cluster.max_restarts over the job). Engines that left the job since the last
+        cluster.max_restarts within cluster.restart_window_s). Engines that left the job since the last
         publish (a lost worker's, trainer/membership.py) take a rebuild first."""
         self._apply_retired()
         if self._engines_changed:
@@ -229,17 +229,21 @@ class WeightPublisher:
         except WeightSyncMismatch:
             raise  # the engine loaded what it was sent, wrongly: a rebuild would too
         except Exception as err:  # noqa: BLE001 - classified below
-            if self.stopping or self.weight_sync_rebuilds >= self.spec.cluster.max_restarts:
+            if self.stopping or self._rebuilds_spent():
                 raise
             reason = f"publishing v{self.policy_version + 1} failed ({type(err).__name__}: {err})"
         return self._rebuild_weight_sync(reason)
+
+    def _rebuilds_spent(self) -> bool:
+        return self.spec.cluster.restart_budget().spent(self.weight_sync_rebuild_times,
+                                                        time.time())
 
     def resync_replaced_engines(self) -> None:
         """While the trainer waits for a batch: an engine that runs a version below
         the published one is a replaced worker, started from model.path. Its
         samples would be evicted as stale on arrival and the trainer would wait
         forever, so it gets the trained weights now, not at the next step."""
-        if self._sync_group is None or self.weight_sync_rebuilds >= self.spec.cluster.max_restarts:
+        if self._sync_group is None or self._rebuilds_spent():
             return
         behind = []
         for c in self.rollouts:
@@ -256,6 +260,8 @@ class WeightPublisher:
         logger.warning("job %s: %s; rebuilding weight sync", self.job_id, reason)
         started = time.monotonic()
         self.weight_sync_rebuilds += int(counted)
+        if counted:
+            self.weight_sync_rebuild_times.append(time.time())
         # First: a surviving engine still blocked receiving the broadcast that failed
         # fails now, and is free to join the new group.
         if self._sync_group is not None:

@@ -1,13 +1,13 @@
 """The cluster backend protocol: what the scheduler and each job's controller
-need from where jobs run. `local` (scheduler/local.py: processes on this
-machine) and `kubernetes` (scheduler/kube.py: worker pods) implement it."""
+need from where jobs run. `local` (scheduler/cluster/local.py: processes on this
+machine) and `kubernetes` (scheduler/cluster/kube.py: worker pods) implement it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol
 
-from reflow.scheduler.local import Placement, ServiceLog
+from reflow.scheduler.cluster.local import Placement, ServiceLog
 
 
 class Backend(Protocol):
@@ -28,7 +28,7 @@ class Backend(Protocol):
         died; returns once it is healthy. Local: a new process on the same port.
         Kubernetes: waits for the pod to come back under its name (the StatefulSet
         recreates it, the kubelet restarts the container) and starts the service on
-        it again (scheduler/kube_restart.py). Optional: where a backend lacks it, the
+        it again (scheduler/cluster/kube_restart.py). Optional: where a backend lacks it, the
         job controller fails the job instead."""
 
     def adopt(self, job_id: str) -> Placement | None:

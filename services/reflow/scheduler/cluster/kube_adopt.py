@@ -1,8 +1,8 @@
 """Finding a running job's worker pods again, for a scheduler that replaced the
-one that placed it (scheduler/recovery.py).
+one that placed it (scheduler/jobcontrol/recovery.py).
 
 The pods are the record: the job's pods carry its id and each one's role as
-labels (scheduler/kube.py), and each worker says over gRPC whether it still
+labels (scheduler/cluster/kube.py), and each worker says over gRPC whether it still
 serves the job. A job is adopted only whole: exactly one ready trainer pod whose
 trainer runs (or has just finished) the job, and at least one ready rollout pod
 whose engine runs it, none of them mid-flip. Anything less is not adopted, and
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from reflow.scheduler.kube import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, KubePlacement,
-                                   PodClaim, _ready, _restarts)
-from reflow.scheduler.worker_calls import job_states
+from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, KubePlacement,
+                                             PodClaim, pod_ready, pod_restarts)
+from reflow.scheduler.cluster.worker_calls import job_states
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def adopt_placement(backend, job_id: str) -> KubePlacement | None:
             continue
         role = labels.get(ROLE_LABEL)
         if role not in ("trainer", "rollout") or ROLE_TARGET in (
-                pod.metadata.annotations or {}) or not _ready(pod):
+                pod.metadata.annotations or {}) or not pod_ready(pod):
             logger.info("job %s: pod %s (role %s) is not ready or mid-flip: not adopted",
                         job_id, name, role)
             return None
@@ -52,7 +52,7 @@ def adopt_placement(backend, job_id: str) -> KubePlacement | None:
             logger.info("job %s: pod %s's %s does not run it (%r): not adopted", job_id, name,
                         role, trainer_state if role == "trainer" else rollout_state)
             return None
-        placement.pods[name] = PodClaim(role, pod.metadata.uid, _restarts(pod), address)
+        placement.pods[name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod), address)
     trainers = placement.trainer_addresses
     placement.rollout_addresses = [c.address for _, c in sorted(placement.pods.items())
                                    if c.role == "rollout"]

@@ -79,6 +79,9 @@ class JobRecord:
     workers: dict[str, list[str]] = field(default_factory=dict)
     # Services the job controller restarted after they died: service -> count.
     restarts: dict[str, int] = field(default_factory=dict)
+    # When (Unix time) each was restarted within cluster.restart_window_s: the
+    # crash-loop budget's memory, kept in the record so a standby continues it.
+    restart_times: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:

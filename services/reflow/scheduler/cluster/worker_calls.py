@@ -1,6 +1,6 @@
 """What the Kubernetes backend asks of a worker pod's own services over gRPC:
 whether it serves a job, and stopping a job on it. Kept apart from the
-Kubernetes API calls (scheduler/kube.py)."""
+Kubernetes API calls (scheduler/cluster/kube.py)."""
 
 from __future__ import annotations
 

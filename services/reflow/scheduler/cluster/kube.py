@@ -15,7 +15,7 @@ Correct under concurrency and faults:
   transient errors are counted, not fatal;
 - pods are tracked by UID from a watch with periodic resync (kubeapi.PodWatch):
   a pod counts as lost only when it is really gone, restarted or replaced, and
-  the job then waits for it to come back under its name (scheduler/kube_restart.py);
+  the job then waits for it to come back under its name (scheduler/cluster/kube_restart.py);
 - releasing a job stops it on every worker and waits for the workers to report
   idle before the labels go back to `idle`; a worker is checked idle again before
   it is offered to another job;
@@ -34,92 +34,21 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from reflow import rpc
 from reflow.core.errors import NoCapacity
-from reflow.scheduler.kube_settings import KubeSettings, parse_selector  # noqa: F401
-from reflow.scheduler.kubeapi import ApiUnavailable, KubeCaller, PodWatch
-from reflow.scheduler.local import Placement, ServiceLog
-from reflow.scheduler.worker_calls import is_busy, stop_and_wait_idle, worker_status
+from reflow.scheduler.cluster.kube_settings import KubeSettings, parse_selector  # noqa: F401
+from reflow.scheduler.cluster.kubeapi import ApiUnavailable, KubeCaller, PodWatch
+from reflow.scheduler.cluster.kube_adopt import adopt_placement
+from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES,  # noqa: F401
+                                             KubePlacement, NotLeader, PodClaim, PodNotInJob,
+                                             is_conflict, pod_ready, pod_restarts)
+from reflow.scheduler.cluster.kube_restart import wait_and_reclaim
+from reflow.scheduler.cluster.local import ServiceLog
+from reflow.scheduler.cluster.worker_calls import is_busy, stop_and_wait_idle, worker_status
 
 logger = logging.getLogger(__name__)
-
-ROLE_LABEL = "reflow.io/role"
-JOB_LABEL = "reflow.io/job"
-# A role flip in flight: the role a pod is being moved to (phase one of flip_role).
-ROLE_TARGET = "reflow.io/role-target"
-ROLES = ("trainer", "rollout")
-
-
-class NotLeader(RuntimeError):
-    """This scheduler no longer holds the leader lease; it must not write."""
-
-
-class PodNotInJob(RuntimeError):
-    """The pod is not (or no longer) one of the job's: another job's, replaced, or gone."""
-
-
-def _ready(pod) -> bool:
-    if pod.metadata.deletion_timestamp or (pod.status and pod.status.phase) != "Running":
-        return False
-    conditions = (pod.status.conditions or []) if pod.status else []
-    return any(c.type == "Ready" and c.status == "True" for c in conditions) and bool(pod.status.pod_ip)
-
-
-def _restarts(pod) -> int:
-    return sum(s.restart_count or 0 for s in (pod.status.container_statuses or []))
-
-
-def _conflict(err: Exception) -> bool:
-    return getattr(err, "status", None) == 409
-
-
-@dataclass(frozen=True)
-class PodClaim:
-    """One pod of a placement as it was when claimed."""
-
-    role: str
-    uid: str
-    restarts: int
-    address: str
-
-
-@dataclass
-class KubePlacement(Placement):
-    """A placement on worker pods, by pod name."""
-
-    job_id: str = ""
-    pods: dict[str, PodClaim] = field(default_factory=dict)
-    backend: "KubernetesBackend | None" = None
-
-    def exited(self) -> list[tuple[str, int, str]]:
-        if self.backend is None:
-            raise RuntimeError("KubePlacement has no backend; KubernetesBackend.place sets it")
-        return self.backend.lost_pods(self)
-
-    @property
-    def workers(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for name, claim in sorted(self.pods.items()):
-            out.setdefault(claim.role, []).append(name)
-        return out
-
-    @property
-    def trainer_addresses(self) -> list[str]:
-        """Every trainer pod's address, by pod name (one until rollout pods flip)."""
-        return [c.address for _, c in sorted(self.pods.items()) if c.role == "trainer"]
-
-    def _set_role(self, pod_name: str, role: str) -> None:
-        """Record a flip that landed. `trainer_address` stays on its pod while that pod
-        trains; the lists are replaced, not mutated, for readers on other threads."""
-        self.pods[pod_name] = replace(self.pods[pod_name], role=role)
-        self.rollout_addresses = [c.address for _, c in sorted(self.pods.items())
-                                  if c.role == "rollout"]
-        if self.trainer_address not in self.trainer_addresses:
-            self.trainer_address = self.trainer_addresses[0]
-
 
 class KubernetesBackend:
     def __init__(self, settings: KubeSettings, api_client=None) -> None:
@@ -137,7 +66,7 @@ class KubernetesBackend:
     def leader_lease(self, name: str, identity: str):
         from kubernetes import client
 
-        from reflow.scheduler.leader import LeaderLease
+        from reflow.scheduler.cluster.leader import LeaderLease
 
         self._lease = LeaderLease.from_env(client.CoordinationV1Api(self.api_client),
                                            self.settings.namespace, name, identity,
@@ -172,7 +101,7 @@ class KubernetesBackend:
         return sorted(
             (p for p in pods
              if all((p.metadata.labels or {}).get(k) == v for k, v in self.selector.items())
-             and (p.metadata.labels or {}).get(JOB_LABEL) in (None, "", job_id) and _ready(p)),
+             and (p.metadata.labels or {}).get(JOB_LABEL) in (None, "", job_id) and pod_ready(p)),
             key=lambda p: p.metadata.name,
         )
 
@@ -244,12 +173,12 @@ class KubernetesBackend:
                 self._patch_labels(pod.metadata.name, role, job_id, pod.metadata.resource_version)
             except Exception as err:
                 self._unlabel_all(placement)
-                if _conflict(err):
+                if is_conflict(err):
                     logger.info("job %s: pod %s changed since listed (409); choosing again",
                                 job_id, pod.metadata.name)
                     return None
                 raise
-            placement.pods[pod.metadata.name] = PodClaim(role, pod.metadata.uid, _restarts(pod),
+            placement.pods[pod.metadata.name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod),
                                                          address(pod))
         return placement
 
@@ -457,14 +386,12 @@ class KubernetesBackend:
         job and its role again, and claimed anew (its UID and restart count). Its
         services are then started by the job's controller. TimeoutError after
         `replace_timeout_s`; PodAddressChanged when it came back elsewhere."""
-        from reflow.scheduler.kube_restart import wait_and_reclaim
 
         wait_and_reclaim(self, placement, name)
 
     def adopt(self, job_id: str) -> KubePlacement | None:
         """The running job's placement from its pods, for a new scheduler
-        (scheduler/kube_adopt.py); None when it is not whole."""
-        from reflow.scheduler.kube_adopt import adopt_placement
+        (scheduler/cluster/kube_adopt.py); None when it is not whole."""
 
         return adopt_placement(self, job_id)
 
@@ -532,7 +459,7 @@ class KubernetesBackend:
                 lost.append((name, -1, "was replaced by a new pod of the same name (new UID)"))
             elif pod.metadata.deletion_timestamp or (pod.status and pod.status.phase) != "Running":
                 lost.append((name, _last_exit_code(pod), "stopped running"))
-            elif _restarts(pod) > claim.restarts:
+            elif pod_restarts(pod) > claim.restarts:
                 lost.append((name, _last_exit_code(pod), "restarted"))
         return lost
 

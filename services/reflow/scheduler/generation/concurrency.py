@@ -1,5 +1,5 @@
 """Adaptive generation scheduling (paper §6.1), the decisions only: no RPC, no
-threads. `reflow.scheduler.dispatch` feeds them measurements and carries them out.
+threads. `reflow.scheduler.generation.dispatch` feeds them measurements and carries them out.
 
 Three parts, each of which a job can turn off (`scheduler.*` in the spec):
 

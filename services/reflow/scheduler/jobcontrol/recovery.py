@@ -20,7 +20,7 @@ gone: killed, evicted, or shut down gracefully, handing its jobs over
   optimizer and RNG (trainer/checkpoint.py).
 - **Failed**, saying why, when it has no committed checkpoint to resume from.
 
-PENDING jobs wait for workers again in submission order (scheduler/queue.py).
+PENDING jobs wait for workers again in submission order (scheduler/jobcontrol/queue.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from reflow.core.config import JobSpec, check_job_id
 from reflow.core.errors import FailedPrecondition, ResourceExhausted
-from reflow.scheduler.jobs import JobRecord
+from reflow.scheduler.jobcontrol.jobs import JobRecord
 from reflow.trainer.checkpoint import CheckpointError, check_resume_dir
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class JobRecovery:
         """Continue a STOPPED or FAILED job from its newest committed checkpoint
         (trainer/checkpoint.py): its services start again, the trainer resumes the
         checkpoint's step, version, optimizer and RNG, and the dispatcher its prompt
-        stream and the groups that were in flight (scheduler/inflight.py).
+        stream and the groups that were in flight (scheduler/generation/inflight.py).
         FailedPrecondition when the job is active, succeeded, or has no checkpoint."""
         check_job_id(job_id)
         record = self.store.get(job_id)

@@ -180,9 +180,11 @@ class LocalBackend:
             # Its process group too: children re-parented when it died (an engine core).
             procs.stop_processes([old], timeout_s=5)
         service, port, metrics_port = placement.launches[name]
-        placement.processes[name] = self._serve(service, port, metrics_port, placement.log_dir,
-                                                placement.colocated, log_name=name)
-        rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s, role=service)
+        proc = self._serve(service, port, metrics_port, placement.log_dir,
+                           placement.colocated, log_name=name)
+        placement.processes[name] = proc
+        rpc.wait_healthy(f"127.0.0.1:{port}", self.health_timeout_s, role=service,
+                         alive=lambda: proc.poll() is None)
         logger.info("%s restarted (pid %d)", name, placement.processes[name].pid)
 
     def retire(self, placement: Placement, name: str) -> None:

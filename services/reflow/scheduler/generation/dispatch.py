@@ -53,11 +53,11 @@ from reflow.core.clock import WALL_CLOCK, Clock
 from reflow.core.config import JobSpec
 from reflow.core.errors import Unavailable
 from reflow.replay.client import ReplayClient
-from reflow.scheduler.inflight import DispatchLedger
+from reflow.scheduler.generation.inflight import DispatchLedger
 from reflow.rollout.client import RolloutStats
 from reflow.tasks import Prompt, Task
 from reflow.rollout.records import GROUP_FILTERED, GROUP_RETURNED, SampleEvent
-from reflow.scheduler.generation import (ConcurrencyController, LengthEstimator, WorkerLoad,
+from reflow.scheduler.generation.concurrency import (ConcurrencyController, LengthEstimator, WorkerLoad,
                                          route)
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Dispatcher:
         that receives every scheduling decision (None: the log only); `standby`:
         workers of an elastic job that start in the trainer role (never routed to
         until `set_standby(name, False)`); `ledger`: the job's durable stream
-        position and groups in flight (scheduler/inflight.py), from which a
+        position and groups in flight (scheduler/generation/inflight.py), from which a
         resumed job continues; `clock` what its rounds read time from;
         `new_group_id` names each new group (random by default; a simulation
         numbers them, so that one seed gives one result)."""
@@ -263,7 +263,7 @@ class Dispatcher:
                 "error": self.error,
             }
 
-    # --- the elastic pool's role flips (scheduler/elastic.py) --------------------------
+    # --- the elastic pool's role flips (scheduler/placement/elastic.py) --------------------------
 
     def set_standby(self, name: str, standby: bool) -> None:
         """Take a worker out of routing (its worker moves to the trainer role) or put

@@ -6,7 +6,7 @@ does not make a new one: it waits for the pod to be there again under its
 name, ready, with a worker that answers idle (a fresh process serves nothing),
 and claims it for the job again with the same preconditioned label patch as a
 placement. What runs on it is then started again by the job's controller
-(scheduler/controller.py): a trainer resumes from the run's newest committed
+(scheduler/jobcontrol/controller.py): a trainer resumes from the run's newest committed
 checkpoint, a rollout worker's groups go out again.
 
 Workers are addressed as the job first knew them: a pod that comes back at
@@ -20,8 +20,8 @@ import logging
 import time
 
 from reflow import rpc
-from reflow.scheduler.kube import (JOB_LABEL, ROLE_LABEL, KubePlacement, PodClaim, _conflict,
-                                   _ready, _restarts)
+from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, KubePlacement, PodClaim,
+                                             is_conflict, pod_ready, pod_restarts)
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
         pod = backend.pod_watch.get(name)
         if pod is None:
             last = "not there"
-        elif pod.metadata.uid == claim.uid and _restarts(pod) == claim.restarts:
+        elif pod.metadata.uid == claim.uid and pod_restarts(pod) == claim.restarts:
             last = "the lost pod itself, not yet gone"
-        elif not _ready(pod):
+        elif not pod_ready(pod):
             last = "not ready"
         elif not backend._worker_idle(pod):
             last = "its worker does not answer idle"
@@ -81,8 +81,8 @@ def _reclaim(backend, placement: KubePlacement, name: str, claim: PodClaim, pod,
             backend._patch_labels(name, claim.role, placement.job_id,
                                   pod.metadata.resource_version)
         except Exception as err:
-            if _conflict(err):
+            if is_conflict(err):
                 return False
             raise
-    placement.pods[name] = PodClaim(claim.role, pod.metadata.uid, _restarts(pod), address)
+    placement.pods[name] = PodClaim(claim.role, pod.metadata.uid, pod_restarts(pod), address)
     return True

@@ -20,7 +20,7 @@ import logging
 from typing import Protocol
 
 from reflow.core.config import JobSpec
-from reflow.scheduler.placement import PlacementPlanner, PlacementPolicy, WindowMeasurement
+from reflow.scheduler.placement.planner import PlacementPlanner, PlacementPolicy, WindowMeasurement
 
 logger = logging.getLogger(__name__)
 

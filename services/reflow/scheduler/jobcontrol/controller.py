@@ -1,6 +1,6 @@
 """A job's controller: its recovery decisions when one of its services dies.
 
-The scheduler's job thread starts the job and watches it (scheduler/service.py);
+The scheduler's job thread starts the job and watches it (scheduler/jobcontrol/service.py);
 when a service process is gone it asks the controller what to do. Every fault
 is typed (core/errors.py): a TemporaryError is recovered from, a
 PermanentError fails the job.
@@ -20,7 +20,7 @@ Redis, so the new process is the same buffer, and its clients (rollout's puts,
 the trainer's leases, the dispatcher's grants) ride the gap out on their retries.
 
 An elastic job's worker that dies (other than the leader's) is not brought
-back: the pool goes on without it (scheduler/elastic.py worker_lost), down to
+back: the pool goes on without it (scheduler/placement/elastic.py worker_lost), down to
 one rollout worker. Worker 0, which holds trainer rank 0, is restarted as a
 trainer is: it resumes from the newest checkpoint with the pool's replicas,
 which stood by when its group broke, and the engines that remain.
@@ -28,7 +28,7 @@ which stood by when its group broke, and the engines that remain.
 What comes back at the same address is, locally, a new process the backend
 starts; on Kubernetes, the lost worker pod itself, once its StatefulSet has
 recreated it (or its container restarted) and its worker answers idle
-(scheduler/kube_restart.py): the pod's role in the job says which of the two
+(scheduler/cluster/kube_restart.py): the pod's role in the job says which of the two
 services to start on it again.
 """
 
@@ -40,7 +40,8 @@ from pathlib import Path
 
 from reflow.core.config import JobSpec
 from reflow.core.errors import FailedPrecondition, PermanentError, TemporaryError
-from reflow.scheduler.recovery import backfill_metrics
+from reflow.core.restart_budget import CrashLoop
+from reflow.scheduler.jobcontrol.recovery import backfill_metrics
 from reflow.trainer.checkpoint import latest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class JobController:
         self.events = events or (lambda event: None)
         self.dispatcher, self.start_rollout = dispatcher, start_rollout
         self.pool = pool
+        self.budget = spec.cluster.restart_budget()
         self.recoveries: list[dict] = []
 
     def on_exit(self, name: str, code: int, what: str, elastic: bool) -> None:
@@ -76,24 +78,34 @@ class JobController:
                 self._drop_worker(name, reason)
                 return
             service = "trainer"  # worker 0 holds trainer rank 0, and nothing else
+        if service not in RESTARTABLE:
+            raise PermanentError(f"{reason}; the {' and '.join(RESTARTABLE)} are "
+                                 "restarted, nothing else")
+        if getattr(self.backend, "restart", None) is None:
+            raise PermanentError(f"{reason}; this cluster backend does not restart services")
+        restart = {"trainer": lambda: self._restart_trainer(code, name),
+                   "rollout": lambda: self._restart_rollout(code, name),
+                   "replay": lambda: self._restart_buffer(code)}[service]
+        while True:
+            self._wait_out_backoff(name)
+            try:
+                restart()
+                return
+            except TemporaryError as err:
+                if not self._died_again(name):
+                    raise PermanentError(f"{reason}; recovery failed: {err}") from err
+                # It came back and died while starting: a death like the first, counted
+                # against the same budget, so a service that dies at start is a crash
+                # loop that fails the job in seconds, not one restart's timeout.
+                self._count_restart(name)
+                self._recorded({"event": "service_died_starting", "service": service,
+                                "worker": name, "error": str(err)[:300]})
+
+    def _died_again(self, name: str) -> bool:
         try:
-            if service not in RESTARTABLE:
-                raise PermanentError(f"{reason}; the {' and '.join(RESTARTABLE)} are "
-                                     "restarted, nothing else")
-            if getattr(self.backend, "restart", None) is None:
-                raise PermanentError(f"{reason}; this cluster backend does not restart services")
-            done = self.record.restarts.get(name, 0)
-            if done >= self.spec.cluster.max_restarts:
-                raise PermanentError(f"{reason}; restarted {done} times already "
-                                     f"(cluster.max_restarts={self.spec.cluster.max_restarts})")
-            if service == "trainer":
-                self._restart_trainer(code, name)
-            elif service == "rollout":
-                self._restart_rollout(code, name)
-            else:
-                self._restart_buffer(code)
-        except TemporaryError as err:
-            raise PermanentError(f"{reason}; recovery failed: {err}") from err
+            return any(gone == name for gone, _, _ in self.placement.exited())
+        except Exception:  # noqa: BLE001 - a placement that cannot say: not known to be dead
+            return False
 
     def _drop_worker(self, name: str, reason: str) -> None:
         """An elastic job's worker died: the job goes on without it (its groups in
@@ -167,8 +179,24 @@ class JobController:
                         "worker": name, "groups_rerouted": rerouted,
                         "restart_s": round(time.monotonic() - started, 3)})
 
+    def _wait_out_backoff(self, name: str) -> None:
+        """Raise PermanentError for a crash loop (more than cluster.max_restarts
+        deaths of `name` within cluster.restart_window_s), else wait the backoff
+        its recent restarts earn (core/restart_budget.py)."""
+        try:
+            wait = self.budget.admit(name, self.record.restart_times.get(name, []), time.time())
+        except CrashLoop as err:
+            raise PermanentError(f"{name} died; {err}") from err
+        if wait:
+            logger.warning("job %s: %s restarts in %.1f s (it restarted within the last "
+                           "%g s)", self.record.job_id, name, wait, self.budget.window_s)
+            time.sleep(wait)
+
     def _count_restart(self, name: str) -> None:
+        now = time.time()
         self.record.restarts[name] = self.record.restarts.get(name, 0) + 1
+        self.record.restart_times[name] = [
+            *self.budget.recent(self.record.restart_times.get(name, []), now), now]
         self.store.save(self.record)
 
     def _recorded(self, event: dict) -> None:

@@ -1,15 +1,15 @@
 """The scheduler's core: job lifecycles.
 
 A submitted job is recorded PENDING, placed by the cluster backend in
-submission order (scheduler/queue.py; it stays PENDING, its reason saying why,
+submission order (scheduler/jobcontrol/queue.py; it stays PENDING, its reason saying why,
 while the backend has no free workers), started on its services (rollout first,
 so the engine warms while the trainer loads), then watched: progress comes from
 the trainer's status, failures from any service process exiting or reporting an
 error, which the job's controller recovers from where it can
-(scheduler/controller.py). At the end the replay buffer is told the job ended
+(scheduler/jobcontrol/controller.py). At the end the replay buffer is told the job ended
 (its passes are taken there no more), its services are torn down and the record
 gets its terminal phase and reason. A scheduler that shuts down hands its jobs
-over to the next one; what that one does with them is scheduler/recovery.py.
+over to the next one; what that one does with them is scheduler/jobcontrol/recovery.py.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from reflow.replay.client import GrpcReplayClient
 from reflow.rollout.client import GrpcRolloutClient
 from reflow.tasks import build_task, check_task
 from reflow.core.errors import PermanentError
-from reflow.scheduler.controller import JobController
-from reflow.scheduler.dispatch import Dispatcher
-from reflow.scheduler.inflight import DispatchLedger
-from reflow.scheduler.elastic import ElasticPool
-from reflow.scheduler.placement_feed import PlacementFeed, planner_for
-from reflow.scheduler.jobs import LOG_SERVICES, JobRecord, JobStore
-from reflow.scheduler.local import Placement, ServiceLog
-from reflow.scheduler.queue import PlacementQueue
-from reflow.scheduler.recovery import JobRecovery
+from reflow.scheduler.jobcontrol.controller import JobController
+from reflow.scheduler.generation.dispatch import Dispatcher
+from reflow.scheduler.generation.inflight import DispatchLedger
+from reflow.scheduler.placement.elastic import ElasticPool
+from reflow.scheduler.placement.feed import PlacementFeed, planner_for
+from reflow.scheduler.jobcontrol.jobs import LOG_SERVICES, JobRecord, JobStore
+from reflow.scheduler.cluster.local import Placement, ServiceLog
+from reflow.scheduler.jobcontrol.queue import PlacementQueue
+from reflow.scheduler.jobcontrol.recovery import JobRecovery
 from reflow.trainer.client import GrpcTrainerClient
 from reflow.weightsync import RankPlan
 
@@ -75,7 +75,7 @@ class Scheduler(JobRecovery):
         self._dispatchers: dict[str, Dispatcher] = {}
         self._pools: dict[str, ElasticPool] = {}
         self._lock = threading.Lock()
-        # PENDING jobs get workers in submission order (scheduler/queue.py).
+        # PENDING jobs get workers in submission order (scheduler/jobcontrol/queue.py).
         self.queue = PlacementQueue()
         # Set by a shutdown that hands the jobs over to the next scheduler.
         self._handover = threading.Event()
@@ -205,7 +205,7 @@ class Scheduler(JobRecovery):
         """Stop watching every job. Without `handover` the jobs stop (STOPPED, the
         trainer checkpointing the step it reached). With it (a scheduler's SIGTERM:
         `helm upgrade`, a drained node) they stay RUNNING for the next scheduler
-        (scheduler/recovery.py): on a backend whose services outlive the scheduler
+        (scheduler/jobcontrol/recovery.py): on a backend whose services outlive the scheduler
         they run on untouched and are re-adopted; elsewhere each trainer checkpoints
         the step it reached, the services go down in order, and the next scheduler
         resumes there. PENDING jobs stay PENDING."""
@@ -221,7 +221,7 @@ class Scheduler(JobRecovery):
 
     def _start_pool(self, record: JobRecord, spec: JobSpec, placement: Placement,
                     leader: GrpcTrainerClient, leader_host: str) -> ElasticPool:
-        """An elastic job's pool (scheduler/elastic.py): every worker but the leader
+        """An elastic job's pool (scheduler/placement/elastic.py): every worker but the leader
         loads a warm trainer replica beside its engine."""
         from reflow.worker.client import GrpcWorkerClient
 
@@ -240,7 +240,7 @@ class Scheduler(JobRecovery):
     def _start_dispatcher(self, record: JobRecord, spec: JobSpec, placement: Placement,
                           rollouts: list[GrpcRolloutClient], run_dir: Path,
                           standby: set[str] | None = None) -> Dispatcher:
-        """The job's one dispatcher (reflow.scheduler.dispatch): its prompt stream,
+        """The job's one dispatcher (reflow.scheduler.generation.dispatch): its prompt stream,
         seeded once for the job, and every rollout worker to route to."""
         task = build_task(spec, self.roots.datasets)
         dispatcher = Dispatcher(record.job_id, spec, GrpcReplayClient(placement.replay_address),
@@ -333,7 +333,7 @@ class Scheduler(JobRecovery):
                     self.backend.release(placement)
                     self.queue.notify()
             if record.phase in ("PENDING", "RUNNING"):
-                # Handed over: the next scheduler takes it up (scheduler/recovery.py).
+                # Handed over: the next scheduler takes it up (scheduler/jobcontrol/recovery.py).
                 self.store.save(record)
             else:
                 record.finished_at = time.time()

@@ -1,0 +1,94 @@
+"""What the Kubernetes backend records on a worker pod and reads back from it:
+the role/job labels, a pod's readiness and restart count, and a placement by
+pod name (`KubePlacement`). Shared by the backend (cluster/kube.py), adoption
+after a scheduler takeover (cluster/kube_adopt.py) and the wait for a lost pod
+(cluster/kube_restart.py); the last two need nothing else of the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from reflow.scheduler.cluster.local import Placement
+
+
+class PodTracker(Protocol):
+    """What a placement asks of its backend (cluster/kube.py's KubernetesBackend)."""
+
+    def lost_pods(self, placement: "KubePlacement") -> list[tuple[str, int, str]]: ...
+
+
+ROLE_LABEL = "reflow.io/role"
+JOB_LABEL = "reflow.io/job"
+# A role flip in flight: the role a pod is being moved to (phase one of flip_role).
+ROLE_TARGET = "reflow.io/role-target"
+ROLES = ("trainer", "rollout")
+
+
+class NotLeader(RuntimeError):
+    """This scheduler no longer holds the leader lease; it must not write."""
+
+
+class PodNotInJob(RuntimeError):
+    """The pod is not (or no longer) one of the job's: another job's, replaced, or gone."""
+
+
+def pod_ready(pod) -> bool:
+    if pod.metadata.deletion_timestamp or (pod.status and pod.status.phase) != "Running":
+        return False
+    conditions = (pod.status.conditions or []) if pod.status else []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions) and bool(pod.status.pod_ip)
+
+
+def pod_restarts(pod) -> int:
+    return sum(s.restart_count or 0 for s in (pod.status.container_statuses or []))
+
+
+def is_conflict(err: Exception) -> bool:
+    return getattr(err, "status", None) == 409
+
+
+@dataclass(frozen=True)
+class PodClaim:
+    """One pod of a placement as it was when claimed."""
+
+    role: str
+    uid: str
+    restarts: int
+    address: str
+
+
+@dataclass
+class KubePlacement(Placement):
+    """A placement on worker pods, by pod name."""
+
+    job_id: str = ""
+    pods: dict[str, PodClaim] = field(default_factory=dict)
+    backend: PodTracker | None = None
+
+    def exited(self) -> list[tuple[str, int, str]]:
+        if self.backend is None:
+            raise RuntimeError("KubePlacement has no backend; KubernetesBackend.place sets it")
+        return self.backend.lost_pods(self)
+
+    @property
+    def workers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name, claim in sorted(self.pods.items()):
+            out.setdefault(claim.role, []).append(name)
+        return out
+
+    @property
+    def trainer_addresses(self) -> list[str]:
+        """Every trainer pod's address, by pod name (one until rollout pods flip)."""
+        return [c.address for _, c in sorted(self.pods.items()) if c.role == "trainer"]
+
+    def _set_role(self, pod_name: str, role: str) -> None:
+        """Record a flip that landed. `trainer_address` stays on its pod while that pod
+        trains; the lists are replaced, not mutated, for readers on other threads."""
+        self.pods[pod_name] = replace(self.pods[pod_name], role=role)
+        self.rollout_addresses = [c.address for _, c in sorted(self.pods.items())
+                                  if c.role == "rollout"]
+        if self.trainer_address not in self.trainer_addresses:
+            self.trainer_address = self.trainer_addresses[0]

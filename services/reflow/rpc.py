@@ -270,13 +270,16 @@ def make_server(
     long_methods: Iterable[str] = (),
     max_long_calls: int | None = None,
     grants=None,
+    serving: bool = True,
 ) -> tuple[grpc.Server, int]:
     """Build a server with the grpc.health.v1 service; returns it and the bound port.
     Several service names: one server hosts them all (the AsyncHybrid worker).
     `long_methods` ("/pkg.Service/Method") share `max_long_calls` handler threads
     (default `MAX_LONG_CALLS`, at most half the pool). Every call is authenticated
     and authorized first (`rpcauth.Authorizer`; `grants`: where the server keeps
-    its job grants, the process's book by default), over TLS where configured."""
+    its job grants, the process's book by default), over TLS where configured.
+    `serving=False`: the process is up (health "" SERVING, which probes read) but
+    its services report NOT_SERVING until `set_serving` (a standby scheduler)."""
     names = (service_name,) if isinstance(service_name, str) else service_name
     limit = max_long_calls or min(MAX_LONG_CALLS, max_workers // 2)
     if not 1 <= limit < max_workers:
@@ -310,12 +313,21 @@ def make_server(
     if tls is not None and os.environ.get(HEALTH_PORT_ENV):
         # Kubelet's gRPC probe speaks plaintext: health alone, on a port of its own.
         server.health_server = _serve_health(health_servicer, os.environ[HEALTH_PORT_ENV])
-    for name in ("", *names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.health_servicer = health_servicer
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    set_serving(server, names, serving)
     logger.info("%s serving gRPC on port %d (%s)", "+".join(names), port,
                 "plaintext" if tls is None else
                 "mutual TLS" if tls.ca is not None else "TLS, no client certificates")
     return server, port
+
+
+def set_serving(server: grpc.Server, names: Iterable[str], serving: bool = True) -> None:
+    """Report each of `names` SERVING (or NOT_SERVING) on the server's health service."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in names:
+        server.health_servicer.set(name, status)
 
 
 HEALTH_PORT_ENV = "REFLOW_GRPC_HEALTH_PORT"

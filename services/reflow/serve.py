@@ -169,14 +169,19 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
     elif name == "scheduler":
         from reflow import redisconn
         from reflow.scheduler.jobcontrol.jobs import JobStore
-        from reflow.scheduler.server import serve
         from reflow.scheduler.jobcontrol.service import Scheduler
+        from reflow.scheduler.server import activate, serve
 
         url, embedded = _redis_url()
         backend = _cluster_backend(url)
+        identity = os.environ.get("REFLOW_POD_NAME") or socket.gethostname()
         lease = backend.leader_lease(os.environ.get("REFLOW_LEASE_NAME", "reflow-scheduler"),
-                                     os.environ.get("REFLOW_POD_NAME") or socket.gethostname())
+                                     identity)
+        # Up and probed at once, a standby until it leads (scheduler/server.py).
+        server, _ = serve(None, address)
         if lease is not None:
+            # A restarted container keeps its pod's labels: not the leader until it leads.
+            backend.mark_leader(identity, False)
             # Before recover(): a standby must not fail the running leader's jobs.
             lease.acquire()
             lease.keep(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -193,13 +198,17 @@ def serve_service(name: str, host: str, port: int, insecure_no_auth: bool = Fals
 
         core.recover()
         _start_metrics_server(scheduler_registry(core))
-        server, _ = serve(core, address)
+        activate(server, core)
+        if lease is not None:
+            backend.mark_leader(identity, True)
 
         def shutdown() -> None:
             # A SIGTERM (helm upgrade, a drained node) hands the jobs over to the
             # next scheduler instead of stopping them (scheduler/jobcontrol/recovery.py).
             core.shutdown(handover=True)
             if lease is not None:
+                # The Service loses this endpoint before the standby gains its own.
+                backend.mark_leader(identity, False)
                 lease.release()
     else:
         raise SystemExit(f"unknown service {name!r}")

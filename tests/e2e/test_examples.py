@@ -62,7 +62,9 @@ def run_example(name: str, out: Path, overrides: list[str]) -> tuple[list[dict],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["math.yaml", "math_lora.yaml"])
+# math.yaml is math_lora.yaml without the adapters (both parse in test_config.py); the
+# full-weight path on SmolLM2 runs in the openai agent example below.
+@pytest.mark.parametrize("example", ["math_lora.yaml"])
 def test_the_math_example_trains_smollm2_with_its_chat_template(example, smollm2_model, tmp_path):
     datasets = Path(os.environ["REFLOW_DATASETS_DIR"])
     export_gym("basic_arithmetic", datasets / "arithmetic.jsonl", 200, ARITHMETIC)

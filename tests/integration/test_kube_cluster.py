@@ -25,12 +25,14 @@ import redis
 
 from reflow import procs, rpc, rpcauth
 from reflow.core.config import parse_job_spec
+from reflow.core.errors import Unavailable
 from tests.waiting import wait_until
 from reflow.core.paths import PathRoots
 from reflow.replay.server import serve as serve_replay
 from reflow.replay.store import ReplayStore
 from reflow.scheduler.jobcontrol.jobs import JobStore
 from reflow.scheduler.cluster.kube import JOB_LABEL, ROLE_LABEL, KubernetesBackend, KubeSettings
+from reflow.scheduler.cluster.leader import LEADER_LABEL
 from reflow.scheduler.jobcontrol.service import Scheduler
 
 from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
@@ -41,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "ml"
 SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 NUM_WORKERS = 4
+SCHEDULER_SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=scheduler"
 
 
 def _ip(i: int) -> str:
@@ -300,6 +303,7 @@ def _serve_scheduler(cluster, tmp_path, name: str, port: int, kubeconfig: Path):
            "KUBECONFIG": str(kubeconfig), "REFLOW_NAMESPACE": NAMESPACE,
            "REFLOW_POD_NAME": name, "REFLOW_WORKER_SELECTOR": SELECTOR,
            "REFLOW_WORKER_PORT": str(cluster["port"]), "REFLOW_REPLAY_ADDRESS": cluster["replay"],
+           "REFLOW_SCHEDULER_SELECTOR": SCHEDULER_SELECTOR,
            "REFLOW_MAX_ROLLOUT_WORKERS": "1", "REFLOW_KUBE_TIMEOUT_S": "2",
            "REFLOW_KUBE_RESYNC_S": "5", "REFLOW_LEASE_DURATION_S": "6",
            "REFLOW_LEASE_RENEW_DEADLINE_S": "4", "REFLOW_LEASE_RETRY_S": "1",
@@ -309,12 +313,19 @@ def _serve_scheduler(cluster, tmp_path, name: str, port: int, kubeconfig: Path):
                             stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
 
 
-def _healthy(port: int, timeout_s: float) -> bool:
+def _healthy(port: int, timeout_s: float, service: str = "reflow.v1.Scheduler") -> bool:
+    """The scheduler at `port` serves (it leads); `service=""`: its process is up,
+    what the chart's probes read (a standby's is)."""
     try:
-        rpc.wait_healthy(f"127.0.0.1:{port}", timeout_s)
+        rpc.wait_healthy(f"127.0.0.1:{port}", timeout_s, service=service)
         return True
     except TimeoutError:
         return False
+
+
+def _leaders(api, names) -> list[str]:
+    """The scheduler pods the scheduler Service selects (the chart's selector)."""
+    return [n for n in names if _pod_labels(api, n).get(LEADER_LABEL) == "true"]
 
 
 def _claimed(api) -> dict[str, str]:
@@ -338,16 +349,27 @@ def test_schedulers_hand_a_running_job_over_and_a_new_leader_re_adopts_it(cluste
     api.write_kubeconfig(kubeconfig)
     names = ("sched-a", "sched-b", "sched-c")
     ports = {n: procs.free_port() for n in names}
+    # Their pods, as the chart's scheduler Deployment makes them (no leader label).
+    for name in names:
+        api.create(worker_pod(name, namespace=NAMESPACE,
+                              labels=dict(t.split("=") for t in SCHEDULER_SELECTOR.split(","))))
     running = {"sched-a": _serve_scheduler(cluster, tmp_path, "sched-a", ports["sched-a"],
                                            kubeconfig)}
     try:
         assert _healthy(ports["sched-a"], 60)
         running["sched-b"] = _serve_scheduler(cluster, tmp_path, "sched-b", ports["sched-b"],
                                               kubeconfig)
-        # The standby waits for the lease before it serves anything: exactly one acts.
-        assert not _healthy(ports["sched-b"], 8)
+        # The standby is up (its probes pass) but serves nothing until it holds the
+        # lease: exactly one acts, and the Service selects its pod alone.
+        assert _healthy(ports["sched-b"], 60, service="")
+        assert not _healthy(ports["sched-b"], 5)
         lease = api.get("leases", NAMESPACE, "reflow-scheduler")
         assert lease["spec"]["holderIdentity"] == "sched-a"
+        assert _leaders(api, names) == ["sched-a"]
+        # A call that reaches it anyway is refused as retryable (the client retries
+        # UNAVAILABLE until its deadline, then says so).
+        with pytest.raises(Unavailable, match="scheduler unavailable"):
+            GrpcSchedulerClient(f"127.0.0.1:{ports['sched-b']}", deadline_s=3).get("nothing")
         leader = GrpcSchedulerClient(f"127.0.0.1:{ports['sched-a']}")
         leader.submit(_spec(cluster, "failover", 100_000), job_id="failover")
         _wait(lambda: leader.get("failover").step >= 1, 300, "the job to train")
@@ -360,7 +382,8 @@ def test_schedulers_hand_a_running_job_over_and_a_new_leader_re_adopts_it(cluste
                               ("sched-b", "sched-c", signal.SIGKILL)):
             if new not in running:
                 running[new] = _serve_scheduler(cluster, tmp_path, new, ports[new], kubeconfig)
-                assert not _healthy(ports[new], 5)
+                assert _healthy(ports[new], 60, service="")
+                assert not _healthy(ports[new], 3)
             before = _job_step(redis_client, "failover")
             at = time.monotonic()
             running[old].send_signal(sig)
@@ -371,6 +394,9 @@ def test_schedulers_hand_a_running_job_over_and_a_new_leader_re_adopts_it(cluste
             takeovers.append({"signal": sig.name, "took_over_s": round(time.monotonic() - at, 1)})
             lease = api.get("leases", NAMESPACE, "reflow-scheduler")
             assert lease["spec"]["holderIdentity"] == new
+            # The Service follows: the new leader's pod alone carries the label (a
+            # SIGKILLed leader's pod still did; the new leader took it off).
+            _wait(lambda: _leaders(api, names) == [new], 30, "the leader label to move")
             client = GrpcSchedulerClient(f"127.0.0.1:{ports[new]}")
             job = client.get("failover")
             assert job.phase == "RUNNING" and "re-adopted" in job.reason, (job.phase, job.reason)
@@ -407,6 +433,8 @@ def test_schedulers_hand_a_running_job_over_and_a_new_leader_re_adopts_it(cluste
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(30)
+        for name in names:
+            api.delete("pods", NAMESPACE, name)
 
 
 def _job_step(redis_client, job_id: str) -> int:

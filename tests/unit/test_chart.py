@@ -298,7 +298,8 @@ def test_opt_in_servicemonitor_and_dashboards_for_the_sidecar():
         f"rl-reflow-{role}" for role in ("api", "scheduler", "replay", "worker", "sandbox",
                                          "redis")}
     assert set(by_kind(docs, "PodDisruptionBudget")) == {
-        "rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker", "rl-reflow-sandbox"}
+        "rl-reflow-api", "rl-reflow-replay", "rl-reflow-worker", "rl-reflow-sandbox",
+        "rl-reflow-scheduler"}
 
     dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
     assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
@@ -495,3 +496,36 @@ def test_tracker_credentials_reach_the_workers_from_the_operators_secret_only():
     with helm.Chart.load(str(CHART)) as chart:
         with pytest.raises(Exception, match="wandbApiKey"):
             chart.validate_schema({"tracking": {"wandbApiKey": "not-here"}})
+
+
+def test_two_schedulers_by_default_one_acting_behind_the_service_and_updates_never_gap():
+    docs, _ = render({})
+    deployment = by_kind(docs, "Deployment")["rl-reflow-scheduler"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    # A new pod before an old one goes: never no scheduler, nor a standby-less gap.
+    assert spec["strategy"] == {"type": "RollingUpdate",
+                                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = spec["template"]["spec"]
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    # The Service selects the pod the acting scheduler labels; the Deployment never
+    # sets that label, so a standby (or a new pod) is no endpoint of it.
+    service = by_kind(docs, "Service")["rl-reflow-scheduler"]
+    assert service["spec"]["selector"] == {**spec["selector"]["matchLabels"],
+                                           "reflow.io/scheduler-leader": "true"}
+    assert "reflow.io/scheduler-leader" not in spec["template"]["metadata"]["labels"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    selector = dict(term.split("=") for term in env["REFLOW_SCHEDULER_SELECTOR"].split(","))
+    assert selector == spec["selector"]["matchLabels"]
+    # Probes read the process's health, which a standby reports SERVING.
+    probes = pod["containers"][0]
+    assert all("service" not in probes[p]["grpc"]
+               for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    pdb = by_kind(docs, "PodDisruptionBudget")["rl-reflow-scheduler"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    # One replica: no standby, no affinity, no budget that would block a drain.
+    docs, _ = render({"scheduler": {"replicas": 1}})
+    assert "affinity" not in by_kind(docs, "Deployment")["rl-reflow-scheduler"]["spec"][
+        "template"]["spec"]
+    assert "rl-reflow-scheduler" not in by_kind(docs, "PodDisruptionBudget")

@@ -1,5 +1,11 @@
 """gRPC transport for the scheduler.
-Errors are raised; `rpc.ErrorStatus` maps them to status codes."""
+Errors are raised; `rpc.ErrorStatus` maps them to status codes.
+
+A standby scheduler (one waiting on the leader Lease) serves from the start, so
+its pod passes its probes and a rolling update can count it ready, but it has
+no core yet: every call is refused UNAVAILABLE, which callers retry, until
+`activate` gives it one (the scheduler Service routes to the leader's pod alone,
+so few calls reach it)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import json
 import grpc
 
 from reflow import rpc
+from reflow.core.errors import Unavailable
 from reflow.scheduler.jobcontrol.jobs import JobRecord
 from reflow.scheduler.jobcontrol.service import Scheduler
 from reflow.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -25,8 +32,15 @@ def record_to_proto(r: JobRecord) -> scheduler_pb2.JobStatus:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, scheduler: Scheduler | None) -> None:
+        self._scheduler = scheduler
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise Unavailable("this scheduler is a standby: another one holds the leader "
+                              "lease; retry (the scheduler Service routes to the leader)")
+        return self._scheduler
 
     def SubmitJob(self, request, context):
         record, created = self.scheduler.submit(request.spec_json, request.job_id,
@@ -70,11 +84,21 @@ SERVICE_NAME = "reflow.v1.Scheduler"
 LONG_METHODS = (f"/{SERVICE_NAME}/StopJob",)
 
 
-def serve(scheduler: Scheduler, address: str) -> tuple[grpc.Server, int]:
+def serve(scheduler: Scheduler | None, address: str) -> tuple[grpc.Server, int]:
+    """Serve `scheduler`; None serves a standby until `activate`."""
     servicer = SchedulerServicer(scheduler)
-    return rpc.make_server(
+    server, port = rpc.make_server(
         SERVICE_NAME,
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
         address,
         long_methods=LONG_METHODS,
+        serving=scheduler is not None,
     )
+    server.scheduler_servicer = servicer
+    return server, port
+
+
+def activate(server: grpc.Server, scheduler: Scheduler) -> None:
+    """A standby won the lease: it serves `scheduler` from now on."""
+    server.scheduler_servicer._scheduler = scheduler
+    rpc.set_serving(server, (SERVICE_NAME,))

@@ -73,6 +73,17 @@ class KubernetesBackend:
                                            call=self.call)
         return self._lease
 
+    def mark_leader(self, pod_name: str, leading: bool) -> None:
+        """The scheduler pod `pod_name` acts (or no longer does): its leader label,
+        which the scheduler Service selects (cluster/leader.py)."""
+        from kubernetes import client
+
+        from reflow.scheduler.cluster.leader import mark_leader_pod
+
+        mark_leader_pod(client.CoreV1Api(self.api_client), self.settings.namespace, pod_name,
+                        leading, call=self.call,
+                        scheduler_selector=self.settings.scheduler_selector)
+
     @classmethod
     def from_env(cls) -> "KubernetesBackend":
         return cls(KubeSettings.from_env())

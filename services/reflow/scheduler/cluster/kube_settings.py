@@ -24,6 +24,9 @@ class KubeSettings(BaseModel):
                              description="REFLOW_WORKER_PORT: the workers' gRPC port.")
     replay_address: str = Field(min_length=3, description="REFLOW_REPLAY_ADDRESS: host:port "
                                 "of the replay-buffer service.")
+    scheduler_selector: str = Field(default="", description="REFLOW_SCHEDULER_SELECTOR: "
+                                    "equality label selector of the scheduler pods, among "
+                                    "which the acting one carries the leader label.")
     max_rollout_workers: int = Field(default=0, ge=0, description="REFLOW_MAX_ROLLOUT_WORKERS: "
                                      "rollout workers per job; 0 takes every free worker.")
     health_timeout_s: float = Field(default=600.0, gt=0)
@@ -53,6 +56,7 @@ class KubeSettings(BaseModel):
             "replay_address": env.get("REFLOW_REPLAY_ADDRESS", ""),
         }
         for key, name in (("worker_port", "REFLOW_WORKER_PORT"),
+                          ("scheduler_selector", "REFLOW_SCHEDULER_SELECTOR"),
                           ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
                           ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
                           ("resync_s", "REFLOW_KUBE_RESYNC_S"),

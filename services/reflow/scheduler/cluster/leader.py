@@ -207,3 +207,34 @@ class LeaderLease:
             return False
         logger.info("lease %s/%s released by %s", self.namespace, self.name, self.identity)
         return True
+
+
+# The label the acting scheduler carries on its own pod: the scheduler Service
+# selects it, so callers reach the leader alone while a standby waits, warm, on
+# the Lease (charts/reflow/templates/scheduler.yaml).
+LEADER_LABEL = "reflow.io/scheduler-leader"
+
+
+def mark_leader_pod(core_api, namespace: str, pod_name: str, leading: bool, call=None,
+                    scheduler_selector: str = "") -> None:
+    """Put LEADER_LABEL on this scheduler's pod (`leading`) or take it off. Leading,
+    it is also taken off any other pod that still carries it (a leader killed
+    without a goodbye, whose restarted container kept its pod's labels), so the
+    Service has one endpoint. Best effort, logged: the Lease, not the label,
+    decides who acts, and a standby refuses calls that reach it."""
+    from kubernetes.client.exceptions import ApiException
+
+    call = call or (lambda fn, *a, **kw: fn(*a, **kw))
+    try:
+        if leading:
+            selector = ",".join(filter(None, [scheduler_selector, f"{LEADER_LABEL}=true"]))
+            for pod in call(core_api.list_namespaced_pod, namespace,
+                            label_selector=selector).items:
+                if pod.metadata.name != pod_name:
+                    call(core_api.patch_namespaced_pod, pod.metadata.name, namespace,
+                         {"metadata": {"labels": {LEADER_LABEL: None}}})
+        call(core_api.patch_namespaced_pod, pod_name, namespace,
+             {"metadata": {"labels": {LEADER_LABEL: "true" if leading else None}}})
+    except (ApiException, Exception) as err:  # noqa: BLE001 - see above
+        logger.warning("pod %s: leader label not %s (%s: %s)", pod_name,
+                       "set" if leading else "removed", type(err).__name__, err)

@@ -69,8 +69,11 @@ def body_digest(request_bytes: bytes) -> str:
 
 
 def normal_address(address: str) -> str:
-    """A dialled target as servers name themselves: no scheme, lower case."""
-    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+    """A dialled target as servers name themselves: no scheme, no DNS authority
+    (`dns://10.96.0.10:53/name:port` is `name:port`), lower case."""
+    if address.startswith("dns://"):
+        address = address[len("dns://"):].partition("/")[2]
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
         if address.startswith(scheme):
             address = address[len(scheme):]
     return address.strip().lower()

@@ -157,6 +157,9 @@ CHANNEL_OPTIONS = [
     # 120 s, and calls fail at once meanwhile).
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # A worker pod recreated at a new IP keeps its DNS name: resolve it again within a
+    # second of losing the connection (gRPC's default waits 30 s between lookups).
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
 ]
 DEFAULT_DEADLINE_S = 30.0
 MAX_WORKERS = 16
@@ -374,10 +377,6 @@ def transient_as_unavailable(what: str, also: tuple = ()) -> Iterator[None]:
         raise Unavailable(f"{what}: {err.code().name}: {err.details()}") from err
 
 
-class ExitedWhileStarting(RuntimeError):
-    """The process that was to serve an address exited before it was healthy."""
-
-
 def wait_healthy(address: str, timeout_s: float, service: str = "",
                  role: str | None = None, alive: Callable[[], bool] | None = None) -> None:
     """Block until the server at `address` reports SERVING, or raise TimeoutError.
@@ -392,6 +391,8 @@ def wait_healthy(address: str, timeout_s: float, service: str = "",
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if alive is not None and not alive():
+                from reflow.core.errors import ExitedWhileStarting
+
                 raise ExitedWhileStarting(f"the process serving {address} exited before it "
                                           "was healthy")
             try:

@@ -228,18 +228,18 @@ def _refusal(code: grpc.StatusCode, details: str):
 
 def own_audiences(host: str, port: int) -> frozenset[str]:
     """The addresses a server bound at host:port answers to, as capabilities
-    name them: its bind address; bound to every interface, its pod IP, the names
-    in REFLOW_ADVERTISE_HOSTS, its host name and the loopback names (a caller on
-    the same host)."""
+    name them: its bind address and the names in REFLOW_ADVERTISE_HOSTS (a
+    worker's DNS name under its headless Service); bound to every interface, also
+    its pod IP, its host name and the loopback names (a caller on the same host)."""
     host = host.strip("[]").lower()
     hosts = {host}
     if host in ("0.0.0.0", "::", ""):  # nosec B104 # naming a wildcard, not binding one
         hosts = {"localhost", "127.0.0.1", "::1", socket.gethostname().lower()}
-        hosts.update(h.strip().lower() for h in os.environ.get(ADVERTISE_HOSTS_ENV, "").split(",")
-                     if h.strip())
         if os.environ.get(POD_IP_ENV):
             hosts.add(os.environ[POD_IP_ENV].strip().lower())
-    elif host == "localhost":
+    hosts.update(h.strip().lower() for h in os.environ.get(ADVERTISE_HOSTS_ENV, "").split(",")
+                 if h.strip())
+    if host == "localhost":
         hosts.update({"127.0.0.1", "::1"})
     out = set()
     for h in hosts:

@@ -67,19 +67,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_and_kill(tmp_path, tiny_model, service: str, kill_at: int, options=()):
-    """Run the quickstart, SIGKILL `service` (or "redis") once `kill_at` steps are
-    recorded, and return the run directory."""
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
+def _start_quickstart(out: Path, tiny_model: str, *overrides: str, options=()):
+    """`reflow run` of the quickstart on the tiny model into `out`; `overrides` after
+    this file's own (the last of a key wins)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
          *options,
          f"trainer.num_steps={NUM_STEPS}", f"trainer.checkpoint_interval={INTERVAL}",
          f"trainer.batch_size={BATCH}", f"model.path={tiny_model}",
          # A recovery that starves the trainer fails in minutes, not the default ten.
-         "trainer.batch_timeout_s=240"],
+         "trainer.batch_timeout_s=240", *overrides],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
+
+
+def _run_and_kill(tmp_path, tiny_model, service: str, kill_at: int, options=()):
+    """Run the quickstart, SIGKILL `service` (or "redis") once `kill_at` steps are
+    recorded, and return the run directory."""
+    out = tmp_path / "run"
+    proc = _start_quickstart(out, tiny_model, options=options)
     cli = psutil.Process(proc.pid)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -252,13 +258,8 @@ def test_more_trainer_deaths_than_the_budget_spread_over_the_window_succeed(tmp_
     (3) as a lifetime count, none a crash loop. The job succeeds, every step once."""
     window_s, kills = 8.0, 4
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
-         "trainer.num_steps=48", f"trainer.checkpoint_interval={INTERVAL}",
-         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}",
-         "trainer.batch_timeout_s=240", f"cluster.restart_window_s={window_s}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    proc = _start_quickstart(out, tiny_model, "trainer.num_steps=48",
+                             f"cluster.restart_window_s={window_s}")
     cli = psutil.Process(proc.pid)
     seen: dict[int, int] = {}
 
@@ -293,13 +294,8 @@ def test_a_trainer_dying_in_a_tight_loop_fails_the_job_fast_naming_the_crash_loo
     trainer killed while it starts counts as a death too, at once, not after the
     restart's health timeout."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reflow.cli", "run", str(QUICKSTART), "--out", str(out),
-         f"trainer.num_steps={NUM_STEPS}", f"trainer.checkpoint_interval={INTERVAL}",
-         f"trainer.batch_size={BATCH}", f"model.path={tiny_model}",
-         "cluster.max_restarts=2", "cluster.restart_backoff_s=1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    proc = _start_quickstart(out, tiny_model, "cluster.max_restarts=2",
+                             "cluster.restart_backoff_s=1")
     cli = psutil.Process(proc.pid)
     descendants: set[int] = set()
 

@@ -464,14 +464,19 @@ def namespace(name: str) -> dict:
 
 def worker_pod(name: str, ip: str = "127.0.0.1", ready: bool = True,
                labels: dict[str, str] | None = None, restarts: int = 0,
-               namespace: str = "ml") -> dict:
-    """A Running worker pod of release `rl`, as the StatefulSet and kubelet leave it."""
+               namespace: str = "ml", subdomain: str | None = None) -> dict:
+    """A Running worker pod of release `rl`, as the StatefulSet and kubelet leave it.
+    `subdomain`: the StatefulSet's headless Service, which gives the pod a DNS name
+    (hostname = its name)."""
+    spec: dict = {"containers": [{"name": "worker", "image": "reflow"}]}
+    if subdomain:
+        spec.update(hostname=name, subdomain=subdomain)
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace,
                      "labels": labels if labels is not None else
                      {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "worker"}},
-        "spec": {"containers": [{"name": "worker", "image": "reflow"}]},
+        "spec": spec,
         "status": {"phase": "Running", "podIP": ip,
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                    "containerStatuses": [{"name": "worker", "ready": ready,

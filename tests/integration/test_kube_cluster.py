@@ -36,6 +36,7 @@ from reflow.scheduler.cluster.leader import LEADER_LABEL
 from reflow.scheduler.jobcontrol.service import Scheduler
 
 from tests.integration.kube_apiserver import KubeApiServer, namespace, worker_pod
+from tests.integration.kube_dns import ClusterDns
 
 pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
@@ -44,25 +45,37 @@ NAMESPACE = "ml"
 SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=worker"
 NUM_WORKERS = 4
 SCHEDULER_SELECTOR = "app.kubernetes.io/instance=rl,app.kubernetes.io/component=scheduler"
+SUBDOMAIN = "rl-worker"
 
 
-def _ip(i: int) -> str:
-    return f"127.0.0.{11 + i}"
+def _ip(i: int, moved: bool = False) -> str:
+    """Pod i's IP; `moved`: the one it gets when its StatefulSet recreates it elsewhere."""
+    return f"127.0.0.{(31 if moved else 11) + i}"
+
+
+def _dns_name(i: int) -> str:
+    return f"rl-worker-{i}.{SUBDOMAIN}.{NAMESPACE}.svc.cluster.local"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, redis_server, tiny_model):
-    """The API server, four worker processes behind four pod IPs, a replay buffer."""
+    """The API server, a cluster DNS, four worker processes behind four pod IPs, a
+    replay buffer. Workers are dialled by DNS name (REFLOW_WORKER_ADDRESS naming the
+    test's DNS server as the authority), as the chart's scheduler dials them."""
     logs = tmp_path_factory.mktemp("cluster-logs")
     port = procs.free_port()
+    dns = ClusterDns()
+    ips = {i: _ip(i) for i in range(NUM_WORKERS)}
 
     def start_worker(i: int) -> subprocess.Popen:
-        """The container of pod i: a `reflow serve worker` behind the pod's IP."""
+        """The container of pod i: a `reflow serve worker` behind the pod's IP,
+        answering to its DNS name (the chart's REFLOW_ADVERTISE_HOSTS)."""
         # What the chart gives a worker pod: the public keys, no signing key.
-        env = {**os.environ, **rpcauth.role_env(None), "REFLOW_POD_IP": _ip(i),
-               "REFLOW_PIN_CPUS": "0"}
+        env = {**os.environ, **rpcauth.role_env(None), "REFLOW_POD_IP": ips[i],
+               "REFLOW_ADVERTISE_HOSTS": _dns_name(i), "REFLOW_PIN_CPUS": "0"}
+        dns.set(_dns_name(i), ips[i])
         return subprocess.Popen(
-            [sys.executable, "-m", "reflow.cli", "serve", "worker", "--host", _ip(i),
+            [sys.executable, "-m", "reflow.cli", "serve", "worker", "--host", ips[i],
              "--port", str(port)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
             stdout=open(logs / f"worker-{i}.log", "ab"), stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -75,29 +88,42 @@ def cluster(tmp_path_factory, redis_server, tiny_model):
         os.killpg(workers[i].pid, signal.SIGKILL)
         workers[i].wait(30)
 
-    def restart_worker(i: int) -> None:
+    def restart_worker(i: int, ip: str | None = None) -> None:
+        """Pod i's container started again, at `ip` when the pod moved."""
+        ips[i] = ip or ips[i]
         workers[i] = start_worker(i)
     replay_server, replay_port = serve_replay(ReplayStore.from_url(redis_server.url),
                                               "127.0.0.1:0")
     try:
         for i in range(NUM_WORKERS):
-            rpc.wait_healthy(f"{_ip(i)}:{port}", 120)
+            rpc.wait_healthy(f"{ips[i]}:{port}", 120)
         with KubeApiServer() as api:
             api.create(namespace(NAMESPACE))
             yield {"api": api, "port": port, "replay": f"127.0.0.1:{replay_port}",
                    "logs": logs, "model": tiny_model, "redis": redis_server.url,
-                   "kill_worker": kill_worker, "restart_worker": restart_worker}
+                   "kill_worker": kill_worker, "restart_worker": restart_worker,
+                   "dns": dns, "ips": ips,
+                   "worker_address": f"dns://127.0.0.1:{dns.port}/"
+                                     "{hostname}.{subdomain}.{namespace}.svc.cluster.local:{port}"}
     finally:
         replay_server.stop(0)
         for proc in workers:
             procs.terminate_tree(proc.pid, timeout_s=30)
+        dns.close()
+
+
+def _pod(cluster, i: int) -> dict:
+    """Pod i as its StatefulSet makes it: under the headless Service, at the IP its
+    worker runs at now."""
+    return worker_pod(f"rl-worker-{i}", ip=cluster["ips"][i], namespace=NAMESPACE,
+                      subdomain=SUBDOMAIN)
 
 
 @pytest.fixture
 def pods(cluster):
     api = cluster["api"]
     for i in range(NUM_WORKERS):
-        api.create(worker_pod(f"rl-worker-{i}", ip=_ip(i), namespace=NAMESPACE))
+        api.create(_pod(cluster, i))
     yield api
     for i in range(NUM_WORKERS):
         try:
@@ -108,7 +134,7 @@ def pods(cluster):
 
 def _settings(cluster, **overrides) -> KubeSettings:
     settings = {"max_rollout_workers": 1, "health_timeout_s": 60, "request_timeout_s": 2,
-                "resync_s": 5, **overrides}
+                "resync_s": 5, "worker_address": cluster["worker_address"], **overrides}
     return KubeSettings(namespace=NAMESPACE, worker_selector=SELECTOR,
                         worker_port=cluster["port"], replay_address=cluster["replay"],
                         **settings)
@@ -204,24 +230,26 @@ def _worker_log_tails(cluster, lines: int = 15) -> str:
     return "\n".join(out)
 
 
-def _recreate(cluster, name: str) -> None:
+def _recreate(cluster, name: str, moved: bool = False) -> None:
     """The StatefulSet controller's move after a pod is deleted: a new pod of the
-    same name (new UID, restart count 0) at the same IP, its container started."""
-    api = cluster["api"]
-    ip = api.get("pods", NAMESPACE, name)["status"]["podIP"]
+    same name (new UID, restart count 0), its container started; `moved`: on
+    another node, at a new IP, which the cluster DNS then gives for its name."""
+    api, i = cluster["api"], int(name.rsplit("-", 1)[1])
     api.delete("pods", NAMESPACE, name)
-    api.create(worker_pod(name, ip=ip, namespace=NAMESPACE))
-    cluster["restart_worker"](int(name.rsplit("-", 1)[1]))
+    cluster["restart_worker"](i, _ip(i, moved) if moved else None)
+    api.create(_pod(cluster, i))
 
 
 def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job(
         cluster, pods, redis_client, tmp_path):
     """A job on a trainer pod and two rollout pods. One rollout pod, then the
     trainer pod: its container SIGKILLed and the pod deleted, then recreated by its
-    StatefulSet. Each time the job takes the pod back once its worker answers,
-    starts the lost service on it again (the trainer resuming from its newest
-    checkpoint), the surviving rollout worker re-joins the new weight-sync group,
-    and the job trains on. A pod that never comes back fails the job, naming it."""
+    StatefulSet on another node, at a new IP, under its name. Each time the job
+    takes the pod back once its worker answers (dialled by its DNS name, which now
+    resolves to the new IP), starts the lost service on it again (the trainer
+    resuming from its newest checkpoint, the engines told its new weight-sync
+    host), the surviving rollout worker re-joins the new weight-sync group, and the
+    job trains on. A pod that never comes back fails the job, naming it."""
     api = cluster["api"]
     backend = KubernetesBackend(_settings(cluster, max_rollout_workers=2), api.client())
     scheduler = Scheduler(JobStore(redis.Redis.from_url(cluster["redis"])), backend,
@@ -245,17 +273,24 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
     job = _wait(lambda: (r := scheduler.get("victim")).step >= 3 and r, 300, "the job to train")
     assert len(job.workers["rollout"]) == 2 and len(job.workers["trainer"]) == 1
     pods = dict(_claimed(api))
-    version_at_kill = {}
+    version_at_kill, loss_to_step = {}, {}
     for role in ("rollout", "trainer"):
         name = job.workers[role][0]
         before = scheduler.get("victim").step
         version_at_kill[role] = scheduler.get("victim").policy_version
-        old_uid = api.get("pods", NAMESPACE, name)["metadata"]["uid"]
+        old = api.get("pods", NAMESPACE, name)
         cluster["kill_worker"](int(name.rsplit("-", 1)[1]))
-        _recreate(cluster, name)
-        assert api.get("pods", NAMESPACE, name)["metadata"]["uid"] != old_uid
+        lost_at = time.monotonic()
+        _recreate(cluster, name, moved=True)
+        new = api.get("pods", NAMESPACE, name)
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+        assert new["status"]["podIP"] != old["status"]["podIP"]
         _wait(lambda: (r := scheduler.get("victim")).restarts.get(name) == 1 or r.terminal,
               300, f"the {role} pod back in the job")
+        at_restart = scheduler.get("victim").step
+        _wait(lambda: scheduler.get("victim").step > at_restart or scheduler.get("victim").terminal,
+              300, "the next step")
+        loss_to_step[role] = round(time.monotonic() - lost_at, 1)
         job = scheduler.get("victim")
         assert job.phase == "RUNNING", (job.reason, _worker_log_tails(cluster))
         # Claimed again for this job, in its role; no other pod changed hands.
@@ -273,7 +308,8 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
     assert [(e["service"], e["worker"]) for e in restarted] == [
         ("rollout", job.workers["rollout"][0]), ("trainer", job.workers["trainer"][0])]
     # From the pod found lost to its service started on it again (a measurement).
-    print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted]}))
+    print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted],
+                      "new_ip_loss_to_next_step_s": loss_to_step}))
 
     # Both engines hold weights the restarted trainer published: the surviving one
     # re-joined its new weight-sync group.
@@ -294,7 +330,7 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
     api.delete("pods", NAMESPACE, name)
     job = _wait(lambda: (r := scheduler.get("victim")).terminal and r, 120, "the job to fail")
     assert job.phase == "FAILED" and name in job.reason and "did not come back" in job.reason
-    api.create(worker_pod(name, ip=_ip(int(name.rsplit("-", 1)[1])), namespace=NAMESPACE))
+    api.create(_pod(cluster, int(name.rsplit("-", 1)[1])))
     _wait(lambda: _all_idle(api), 120, "the pods released")
 
 
@@ -304,6 +340,7 @@ def _serve_scheduler(cluster, tmp_path, name: str, port: int, kubeconfig: Path):
            "REFLOW_POD_NAME": name, "REFLOW_WORKER_SELECTOR": SELECTOR,
            "REFLOW_WORKER_PORT": str(cluster["port"]), "REFLOW_REPLAY_ADDRESS": cluster["replay"],
            "REFLOW_SCHEDULER_SELECTOR": SCHEDULER_SELECTOR,
+           "REFLOW_WORKER_ADDRESS": cluster["worker_address"],
            "REFLOW_MAX_ROLLOUT_WORKERS": "1", "REFLOW_KUBE_TIMEOUT_S": "2",
            "REFLOW_KUBE_RESYNC_S": "5", "REFLOW_LEASE_DURATION_S": "6",
            "REFLOW_LEASE_RENEW_DEADLINE_S": "4", "REFLOW_LEASE_RETRY_S": "1",
@@ -326,6 +363,19 @@ def _healthy(port: int, timeout_s: float, service: str = "reflow.v1.Scheduler") 
 def _leaders(api, names) -> list[str]:
     """The scheduler pods the scheduler Service selects (the chart's selector)."""
     return [n for n in names if _pod_labels(api, n).get(LEADER_LABEL) == "true"]
+
+
+def _claimed_by(api, job_id: str) -> list[str]:
+    """The pods there now that carry `job_id`."""
+    out = []
+    for i in range(NUM_WORKERS):
+        try:
+            labels = _pod_labels(api, f"rl-worker-{i}")
+        except Exception:  # noqa: BLE001 - a pod deleted for good
+            continue
+        if labels.get(JOB_LABEL) == job_id:
+            out.append(f"rl-worker-{i}")
+    return out
 
 
 def _claimed(api) -> dict[str, str]:
@@ -495,3 +545,49 @@ def test_an_elastic_job_flips_pod_roles_both_ways_while_it_runs(cluster, schedul
     assert roles_2[roles_2.index("trainer"):].count("rollout") >= 1  # and back
     assert "trainer" in [role for role, _ in _history(versions, "rl-worker-1")]
     _wait(lambda: _all_idle(api), 90, "the pods released")
+
+
+def test_an_elastic_job_whose_worker_pod_is_gone_for_good_shrinks_and_goes_on(cluster,
+                                                                               scheduler):
+    """The whole flow on the API server: an elastic job on three worker pods; worker
+    2's container is SIGKILLed and its pod deleted, never recreated (a node lost, its
+    StatefulSet scaled down). The job does not wait for it: the pool goes on with
+    two workers (its groups in flight go out again, its engine leaves the
+    weight-sync group), the pod is no longer the job's, and the job succeeds with
+    every step recorded once."""
+    api = cluster["api"]
+    spec = parse_job_spec({
+        "name": "shrink", "model": {"path": cluster["model"]},
+        "rollout": {"group_size": 4, "max_tokens": 12, "kv_cache_gb": 0.5},
+        "trainer": {"batch_size": 8, "num_steps": 12, "batch_timeout_s": 120},
+        "scheduler": {"placement": False},
+        "cluster": {"workers": 3, "trainer_workers": 1},
+    }).model_dump_json()
+    scheduler.submit(spec, job_id="shrink")
+    job = _wait(lambda: (r := scheduler.get("shrink")).step >= 3 and r, 400, "the job to train")
+    assert job.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1", "rl-worker-2"]}
+    try:
+        lost_at = time.monotonic()
+        cluster["kill_worker"](2)
+        api.delete("pods", NAMESPACE, "rl-worker-2")
+        at_loss = scheduler.get("shrink").step
+        _wait(lambda: (r := scheduler.get("shrink")).step > at_loss + 1 or r.terminal, 300,
+              "training to go on")
+        loss_to_step_s = round(time.monotonic() - lost_at, 1)
+        job = _wait(lambda: (r := scheduler.get("shrink")).terminal and r, 400, "the job's end")
+        assert job.phase == "SUCCEEDED", job.reason
+        assert job.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"],
+                               "lost": ["rl-worker-2"]}
+        records = scheduler.metrics("shrink", 0, 10_000)
+        assert [r["step"] for r in records] == list(range(1, 13))
+        assert records[-1]["retired_engines"] == 1
+        events = [json.loads(line) for line in
+                  (Path(job.run_dir) / "scheduler_events.jsonl").read_text().splitlines()]
+        left = [e for e in events if e["event"] == "worker_left_pool"]
+        assert len(left) == 1 and left[0]["name"] == "rl-worker-2", left
+        assert left[0]["workers_left"] == 2
+        print(json.dumps({"elastic_loss_to_next_step_s": loss_to_step_s}))
+        _wait(lambda: not _claimed_by(api, "shrink"), 90, "the pods released")
+    finally:
+        cluster["restart_worker"](2)
+        rpc.wait_healthy(f"{cluster['ips'][2]}:{cluster['port']}", 120)

@@ -92,6 +92,13 @@ def test_a_server_answers_to_its_own_addresses_only(monkeypatch):
             "localhost:50052"} <= wildcard
     assert "10.1.2.4:50052" not in wildcard and "10.1.2.3:50051" not in wildcard
     assert caps.normal_address("dns:///RL-Reflow-Replay:50052") == "rl-reflow-replay:50052"
+    # A worker bound to its pod IP answers to its DNS name too, once advertised; the
+    # caller's DNS server (the authority of its target) is no part of the address.
+    monkeypatch.setenv(rpcauth.ADVERTISE_HOSTS_ENV, "rl-worker-0.rl-worker.ml.svc.cluster.local")
+    assert rpcauth.own_audiences("10.1.2.3", 50060) == frozenset({
+        "10.1.2.3:50060", "rl-worker-0.rl-worker.ml.svc.cluster.local:50060"})
+    assert caps.normal_address("dns://10.96.0.10:53/RL-Worker-0.rl-worker.ml.svc.cluster.local"
+                               ":50060") == "rl-worker-0.rl-worker.ml.svc.cluster.local:50060"
 
 
 def test_each_process_gets_only_its_own_roles_private_key(monkeypatch):

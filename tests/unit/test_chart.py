@@ -529,3 +529,27 @@ def test_two_schedulers_by_default_one_acting_behind_the_service_and_updates_nev
     assert "affinity" not in by_kind(docs, "Deployment")["rl-reflow-scheduler"]["spec"][
         "template"]["spec"]
     assert "rl-reflow-scheduler" not in by_kind(docs, "PodDisruptionBudget")
+
+
+def test_the_scheduler_dials_workers_by_the_dns_names_they_answer_to():
+    docs, _ = render({"clusterDomain": "corp.example"})
+    scheduler = dict(pod_specs(docs))["rl-reflow-scheduler"]["containers"][0]
+    template = {e["name"]: e.get("value") for e in scheduler["env"]}["REFLOW_WORKER_ADDRESS"]
+    statefulset = by_kind(docs, "StatefulSet")["rl-reflow-worker"]
+    # The StatefulSet gives pod rl-reflow-worker-3 hostname rl-reflow-worker-3 and
+    # subdomain serviceName; that Service is headless and publishes unready pods,
+    # so the name resolves while the scheduler checks the worker itself.
+    service = by_kind(docs, "Service")[statefulset["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    address = template.format(hostname="rl-reflow-worker-3", namespace="ml", pod_ip="10.0.0.9",
+                              subdomain=statefulset["spec"]["serviceName"], port=50060)
+    assert address == "rl-reflow-worker-3.rl-reflow-worker.ml.svc.corp.example:50060"
+    worker = statefulset["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["REFLOW_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # $(REFLOW_POD_NAME) expands only if that variable comes first.
+    order = [e["name"] for e in worker["env"]]
+    assert order.index("REFLOW_POD_NAME") < order.index("REFLOW_ADVERTISE_HOSTS")
+    advertised = env["REFLOW_ADVERTISE_HOSTS"]["value"].replace("$(REFLOW_POD_NAME)",
+                                                                "rl-reflow-worker-3")
+    assert address.rsplit(":", 1)[0] in advertised.split(",")

@@ -86,3 +86,9 @@ class ConsecutiveFailures:
             return None
         self.count = 0
         return result
+
+
+class ExitedWhileStarting(RuntimeError):
+    """The process that was to serve an address exited before it was healthy: a
+    restarted service that died again at once (counted as a death, not a failure
+    to come back)."""

@@ -78,12 +78,24 @@ def dataset_file(path: str | os.PathLike[str], root: str | os.PathLike[str], fie
     return real
 
 
-_ADDRESS = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,253}:[0-9]{1,5}")
+# host:port, optionally after the DNS server that resolves the host
+# (`dns://10.96.0.10:53/name:port`, gRPC's target syntax).
+_ADDRESS = re.compile(r"(dns://[A-Za-z0-9._\-\[\]:]{1,253}/)?[A-Za-z0-9._\-\[\]:]{1,253}:[0-9]{1,5}")
+
+
+_HOST = re.compile(r"[A-Za-z0-9._\-\[\]:]{1,253}")
+
+
+def check_host(host: str, field: str) -> str:
+    """A host an RPC names for this service to connect to: a name or an IP."""
+    if not _HOST.fullmatch(host):
+        raise ValueError(f"{field}: {host[:80]!r} is not a host name or IP address")
+    return host
 
 
 def check_address(address: str, field: str) -> str:
     """A `host:port` that an RPC names for this service to call: a name or an IP
-    and a port, nothing else (no scheme, path or user part)."""
+    and a port, nothing else (no scheme but `dns://<server>/`, no path or user part)."""
     if not _ADDRESS.fullmatch(address) or not 1 <= int(address.rpartition(":")[2]) <= 65535:
         raise ValueError(f"{field}: {address[:80]!r} is not a host:port address")
     return address

@@ -78,12 +78,15 @@ class GrpcRolloutClient:
         # Covers the engine start (tens of seconds) that the call waits for.
         self._stub.InitWeightSync(req, timeout=deadline_s)
 
-    def set_sync_place(self, job_id: str, rank: int, world_size: int) -> None:
-        """Scheduler: this worker's place in a weight-sync group that lost an engine."""
+    def set_sync_place(self, job_id: str, rank: int, world_size: int,
+                       trainer_host: str = "") -> None:
+        """Scheduler: this worker's place in a weight-sync group that lost an engine,
+        and (`trainer_host`) the trainer's new host once it came back elsewhere."""
         from reflow.v1 import rollout_pb2
 
         self._stub.SetSyncPlace(rollout_pb2.SetSyncPlaceRequest(
-            job_id=job_id, rank=rank, world_size=world_size), timeout=self.deadline_s)
+            job_id=job_id, rank=rank, world_size=world_size, trainer_host=trainer_host),
+            timeout=self.deadline_s)
 
     def update_weights(self, job_id: str, policy_version: int,
                        deadline_s: float = 300.0, resync: bool = False) -> WeightUpdate:

@@ -46,7 +46,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.Ack(ok=True)
 
     def SetSyncPlace(self, request, context):
-        self.service.set_sync_place(request.job_id, request.rank, request.world_size)
+        self.service.set_sync_place(request.job_id, request.rank, request.world_size,
+                                    request.trainer_host)
         return common_pb2.Ack(ok=True)
 
     def UpdateWeights(self, request, context):

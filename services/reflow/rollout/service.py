@@ -192,8 +192,9 @@ class RolloutService:
     def init_weight_sync(self, job_id: str, spec: WeightSyncSpec, timeout_s: float) -> None:
         self._running_worker_for(job_id).init_weight_sync(spec, timeout_s)
 
-    def set_sync_place(self, job_id: str, rank: int, world_size: int) -> None:
-        self._running_worker_for(job_id).set_sync_place(rank, world_size)
+    def set_sync_place(self, job_id: str, rank: int, world_size: int,
+                       trainer_host: str = "") -> None:
+        self._running_worker_for(job_id).set_sync_place(rank, world_size, trainer_host)
 
     def update_weights(self, job_id: str, policy_version: int,
                        timeout_s: float, resync: bool = False) -> WeightUpdate:

@@ -20,6 +20,7 @@ import threading
 import time
 
 from reflow.core.errors import FailedPrecondition
+from reflow.core.paths import check_host
 from reflow.rollout.engine import WeightSyncSpec
 from reflow.rollout.records import WeightUpdate
 
@@ -42,17 +43,26 @@ class WeightSyncMixin:
         if label is not None:
             await label(policy_version)
 
-    def set_sync_place(self, rank: int, world_size: int) -> None:
+    def set_sync_place(self, rank: int, world_size: int, trainer_host: str = "") -> None:
         """This worker's place in the job's weight-sync group from now on (paper
         §4.1 step 4's rank plan over the engines still in the job): another
         worker of the job was lost and the group shrinks. The group set up now
         keeps its ranks; the trainer's next one, which it builds once its publish
         to the lost engine failed, is checked against this place. Only ever a
-        smaller group: no engine joins a running job's group this way."""
+        smaller group: no engine joins a running job's group this way.
+        `trainer_host`: the trainer came back at another IP (its pod recreated),
+        and its next group is set up there; empty leaves it (and rank and
+        world_size 0 leave the place)."""
         tp = self.spec.rollout.tensor_parallel_size
         with self._sync_lock:
-            if (rank, world_size) == (self.sync_rank, self.sync_world_size):
-                return  # a retry
+            if trainer_host and trainer_host != self.trainer_host:
+                check_host(trainer_host, "trainer_host")
+                logger.warning("job %s: the trainer's weight-sync host %s -> %s (its pod came "
+                               "back at another address)", self.job_id, self.trainer_host,
+                               trainer_host)
+                self.trainer_host = trainer_host
+            if (rank, world_size) in ((0, 0), (self.sync_rank, self.sync_world_size)):
+                return  # the host alone (0/0), a retry, or the same place
             if not 1 <= rank <= world_size - tp:
                 raise ValueError(f"rank: {rank} with tensor_parallel_size {tp} does not fit in "
                                  f"world_size {world_size}; need 1 <= rank and rank + "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import common_pb2 as reflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reflow/v1/rollout.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"7\n\x12ScoreTokensRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"<\n\x10ScoreTokensReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"G\n\x13SetSyncPlaceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"\x81\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x05\x12\x0e\n\x06greedy\x18\x03 \x01(\x08\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\x19\n\x11\x63orrect_threshold\x18\x06 \x01(\x01\"~\n\x11\x45valPromptOutcome\x12\x12\n\nnum_scored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_correct\x18\x02 \x01(\x05\x12\x12\n\nreward_sum\x18\x03 \x01(\x01\x12\x12\n\nnum_errors\x18\x04 \x01(\x05\x12\x18\n\x10majority_correct\x18\x05 \x01(\x08\"\xbf\x01\n\rEvaluateReply\x12\x13\n\x0breward_mean\x18\x01 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x12\n\nnum_errors\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\t\n\x01k\x18\x06 \x01(\x05\x12-\n\x07prompts\x18\x07 \x03(\x0b\x32\x1c.reflow.v1.EvalPromptOutcome\x12\r\n\x05voted\x18\x08 \x01(\x08\"\xb6\x01\n\x12SubmitGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x15\n\rprompt_answer\x18\x05 \x01(\t\x12\x17\n\x0f\x63oncurrency_cap\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\"$\n\x10SubmitGroupReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"G\n\x12WaitSamplesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"\x99\x01\n\x0bSampleEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x17\n\x0fresponse_tokens\x18\x04 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"6\n\x0cSampleEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.reflow.v1.SampleEvent\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x98\x02\n\x15InitWeightSyncRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12&\n\x07tensors\x18\x07 \x03(\x0b\x32\x15.reflow.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1b\n\x13trainer_device_uuid\x18\n \x01(\t\x12\x16\n\x0erendezvous_key\x18\x0b \x01(\t\"N\n\x14UpdateWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06resync\x18\x03 \x01(\x08\"P\n\x12UpdateWeightsReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0f\n\x07pause_s\x18\x02 \x01(\x01\x12\x11\n\treceive_s\x18\x03 \x01(\x01\"\xce\x03\n\x0cRolloutStats\x12\x1e\n\x16generated_tokens_total\x18\x01 \x01(\x03\x12\x1e\n\x16\x66inished_samples_total\x18\x02 \x01(\x03\x12\x1a\n\x12idle_seconds_total\x18\x03 \x01(\x01\x12\x18\n\x10inflight_samples\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1f\n\x17occupancy_seconds_total\x18\x08 \x01(\x01\x12\x18\n\x10\x65ngine_startup_s\x18\t \x01(\x01\x12\x1e\n\x16kv_usage_seconds_total\x18\n \x01(\x01\x12 \n\x18preempted_requests_total\x18\x0b \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\x0c \x01(\x03\x12\x17\n\x0f\x63oncurrency_cap\x18\r \x01(\x05\x12!\n\x19\x65ngine_busy_seconds_total\x18\x0e \x01(\x01\x12!\n\x19\x65ngine_decode_steps_total\x18\x0f \x01(\x03\x12\x1d\n\x15\x66iltered_groups_total\x18\x10 \x01(\x03\x32\x9b\x05\n\x07Rollout\x12\x36\n\x08StartJob\x12\x1a.reflow.v1.StartJobRequest\x1a\x0e.reflow.v1.Ack\x12,\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x0e.reflow.v1.Ack\x12\x42\n\x0eInitWeightSync\x12 .reflow.v1.InitWeightSyncRequest\x1a\x0e.reflow.v1.Ack\x12>\n\x0cSetSyncPlace\x12\x1e.reflow.v1.SetSyncPlaceRequest\x1a\x0e.reflow.v1.Ack\x12O\n\rUpdateWeights\x12\x1f.reflow.v1.UpdateWeightsRequest\x1a\x1d.reflow.v1.UpdateWeightsReply\x12\x36\n\x08GetStats\x12\x11.reflow.v1.JobRef\x1a\x17.reflow.v1.RolloutStats\x12I\n\x0bSubmitGroup\x12\x1d.reflow.v1.SubmitGroupRequest\x1a\x1b.reflow.v1.SubmitGroupReply\x12\x45\n\x0bWaitSamples\x12\x1d.reflow.v1.WaitSamplesRequest\x1a\x17.reflow.v1.SampleEvents\x12@\n\x08\x45valuate\x12\x1a.reflow.v1.EvaluateRequest\x1a\x18.reflow.v1.EvaluateReply\x12I\n\x0bScoreTokens\x12\x1d.reflow.v1.ScoreTokensRequest\x1a\x1b.reflow.v1.ScoreTokensReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reflow/v1/rollout.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"7\n\x12ScoreTokensRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"<\n\x10ScoreTokensReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x01\"]\n\x13SetSyncPlaceRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x14\n\x0ctrainer_host\x18\x04 \x01(\t\"\x81\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x05\x12\x0e\n\x06greedy\x18\x03 \x01(\x08\x12\t\n\x01k\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\x19\n\x11\x63orrect_threshold\x18\x06 \x01(\x01\"~\n\x11\x45valPromptOutcome\x12\x12\n\nnum_scored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_correct\x18\x02 \x01(\x05\x12\x12\n\nreward_sum\x18\x03 \x01(\x01\x12\x12\n\nnum_errors\x18\x04 \x01(\x05\x12\x18\n\x10majority_correct\x18\x05 \x01(\x08\"\xbf\x01\n\rEvaluateReply\x12\x13\n\x0breward_mean\x18\x01 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x12\n\nnum_errors\x18\x03 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\t\n\x01k\x18\x06 \x01(\x05\x12-\n\x07prompts\x18\x07 \x03(\x0b\x32\x1c.reflow.v1.EvalPromptOutcome\x12\r\n\x05voted\x18\x08 \x01(\x08\"\xb6\x01\n\x12SubmitGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x15\n\rprompt_answer\x18\x05 \x01(\t\x12\x17\n\x0f\x63oncurrency_cap\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\"$\n\x10SubmitGroupReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"G\n\x12WaitSamplesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\"\x99\x01\n\x0bSampleEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x17\n\x0fresponse_tokens\x18\x04 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"6\n\x0cSampleEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.reflow.v1.SampleEvent\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x98\x02\n\x15InitWeightSyncRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0emaster_address\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12&\n\x07tensors\x18\x07 \x03(\x0b\x32\x15.reflow.v1.TensorMeta\x12\x14\n\x0c\x62ucket_bytes\x18\x08 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1b\n\x13trainer_device_uuid\x18\n \x01(\t\x12\x16\n\x0erendezvous_key\x18\x0b \x01(\t\"N\n\x14UpdateWeightsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x0e\n\x06resync\x18\x03 \x01(\x08\"P\n\x12UpdateWeightsReply\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0f\n\x07pause_s\x18\x02 \x01(\x01\x12\x11\n\treceive_s\x18\x03 \x01(\x01\"\xce\x03\n\x0cRolloutStats\x12\x1e\n\x16generated_tokens_total\x18\x01 \x01(\x03\x12\x1e\n\x16\x66inished_samples_total\x18\x02 \x01(\x03\x12\x1a\n\x12idle_seconds_total\x18\x03 \x01(\x01\x12\x18\n\x10inflight_samples\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\r\n\x05state\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x1f\n\x17occupancy_seconds_total\x18\x08 \x01(\x01\x12\x18\n\x10\x65ngine_startup_s\x18\t \x01(\x01\x12\x1e\n\x16kv_usage_seconds_total\x18\n \x01(\x01\x12 \n\x18preempted_requests_total\x18\x0b \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\x0c \x01(\x03\x12\x17\n\x0f\x63oncurrency_cap\x18\r \x01(\x05\x12!\n\x19\x65ngine_busy_seconds_total\x18\x0e \x01(\x01\x12!\n\x19\x65ngine_decode_steps_total\x18\x0f \x01(\x03\x12\x1d\n\x15\x66iltered_groups_total\x18\x10 \x01(\x03\x32\x9b\x05\n\x07Rollout\x12\x36\n\x08StartJob\x12\x1a.reflow.v1.StartJobRequest\x1a\x0e.reflow.v1.Ack\x12,\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x0e.reflow.v1.Ack\x12\x42\n\x0eInitWeightSync\x12 .reflow.v1.InitWeightSyncRequest\x1a\x0e.reflow.v1.Ack\x12>\n\x0cSetSyncPlace\x12\x1e.reflow.v1.SetSyncPlaceRequest\x1a\x0e.reflow.v1.Ack\x12O\n\rUpdateWeights\x12\x1f.reflow.v1.UpdateWeightsRequest\x1a\x1d.reflow.v1.UpdateWeightsReply\x12\x36\n\x08GetStats\x12\x11.reflow.v1.JobRef\x1a\x17.reflow.v1.RolloutStats\x12I\n\x0bSubmitGroup\x12\x1d.reflow.v1.SubmitGroupRequest\x1a\x1b.reflow.v1.SubmitGroupReply\x12\x45\n\x0bWaitSamples\x12\x1d.reflow.v1.WaitSamplesRequest\x1a\x17.reflow.v1.SampleEvents\x12@\n\x08\x45valuate\x12\x1a.reflow.v1.EvaluateRequest\x1a\x18.reflow.v1.EvaluateReply\x12I\n\x0bScoreTokens\x12\x1d.reflow.v1.ScoreTokensRequest\x1a\x1b.reflow.v1.ScoreTokensReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORETOKENSREPLY']._serialized_start=119
   _globals['_SCORETOKENSREPLY']._serialized_end=179
   _globals['_SETSYNCPLACEREQUEST']._serialized_start=181
-  _globals['_SETSYNCPLACEREQUEST']._serialized_end=252
-  _globals['_EVALUATEREQUEST']._serialized_start=255
-  _globals['_EVALUATEREQUEST']._serialized_end=384
-  _globals['_EVALPROMPTOUTCOME']._serialized_start=386
-  _globals['_EVALPROMPTOUTCOME']._serialized_end=512
-  _globals['_EVALUATEREPLY']._serialized_start=515
-  _globals['_EVALUATEREPLY']._serialized_end=706
-  _globals['_SUBMITGROUPREQUEST']._serialized_start=709
-  _globals['_SUBMITGROUPREQUEST']._serialized_end=891
-  _globals['_SUBMITGROUPREPLY']._serialized_start=893
-  _globals['_SUBMITGROUPREPLY']._serialized_end=929
-  _globals['_WAITSAMPLESREQUEST']._serialized_start=931
-  _globals['_WAITSAMPLESREQUEST']._serialized_end=1002
-  _globals['_SAMPLEEVENT']._serialized_start=1005
-  _globals['_SAMPLEEVENT']._serialized_end=1158
-  _globals['_SAMPLEEVENTS']._serialized_start=1160
-  _globals['_SAMPLEEVENTS']._serialized_end=1214
-  _globals['_TENSORMETA']._serialized_start=1216
-  _globals['_TENSORMETA']._serialized_end=1272
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1275
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1555
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1557
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1635
-  _globals['_UPDATEWEIGHTSREPLY']._serialized_start=1637
-  _globals['_UPDATEWEIGHTSREPLY']._serialized_end=1717
-  _globals['_ROLLOUTSTATS']._serialized_start=1720
-  _globals['_ROLLOUTSTATS']._serialized_end=2182
-  _globals['_ROLLOUT']._serialized_start=2185
-  _globals['_ROLLOUT']._serialized_end=2852
+  _globals['_SETSYNCPLACEREQUEST']._serialized_end=274
+  _globals['_EVALUATEREQUEST']._serialized_start=277
+  _globals['_EVALUATEREQUEST']._serialized_end=406
+  _globals['_EVALPROMPTOUTCOME']._serialized_start=408
+  _globals['_EVALPROMPTOUTCOME']._serialized_end=534
+  _globals['_EVALUATEREPLY']._serialized_start=537
+  _globals['_EVALUATEREPLY']._serialized_end=728
+  _globals['_SUBMITGROUPREQUEST']._serialized_start=731
+  _globals['_SUBMITGROUPREQUEST']._serialized_end=913
+  _globals['_SUBMITGROUPREPLY']._serialized_start=915
+  _globals['_SUBMITGROUPREPLY']._serialized_end=951
+  _globals['_WAITSAMPLESREQUEST']._serialized_start=953
+  _globals['_WAITSAMPLESREQUEST']._serialized_end=1024
+  _globals['_SAMPLEEVENT']._serialized_start=1027
+  _globals['_SAMPLEEVENT']._serialized_end=1180
+  _globals['_SAMPLEEVENTS']._serialized_start=1182
+  _globals['_SAMPLEEVENTS']._serialized_end=1236
+  _globals['_TENSORMETA']._serialized_start=1238
+  _globals['_TENSORMETA']._serialized_end=1294
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=1297
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=1577
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1579
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1657
+  _globals['_UPDATEWEIGHTSREPLY']._serialized_start=1659
+  _globals['_UPDATEWEIGHTSREPLY']._serialized_end=1739
+  _globals['_ROLLOUTSTATS']._serialized_start=1742
+  _globals['_ROLLOUTSTATS']._serialized_end=2204
+  _globals['_ROLLOUT']._serialized_start=2207
+  _globals['_ROLLOUT']._serialized_end=2874
 # @@protoc_insertion_point(module_scope)

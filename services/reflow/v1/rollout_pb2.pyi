@@ -24,14 +24,16 @@ class ScoreTokensReply(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SetSyncPlaceRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size")
+    __slots__ = ("job_id", "rank", "world_size", "trainer_host")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_HOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    trainer_host: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., trainer_host: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("job_id", "num_prompts", "greedy", "k", "temperature", "correct_threshold")

@@ -115,7 +115,8 @@ class RolloutServicer:
 
     def SetSyncPlace(self, request, context):
         """The scheduler: this worker's new place in the weight-sync group once another
-        worker of the job was lost (the group shrinks; the next join uses it).
+        worker of the job was lost (the group shrinks; the next join uses it), or the
+        trainer's new host once its pod came back at another IP.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,7 +43,8 @@ from reflow.scheduler.cluster.kubeapi import ApiUnavailable, KubeCaller, PodWatc
 from reflow.scheduler.cluster.kube_adopt import adopt_placement
 from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES,  # noqa: F401
                                              KubePlacement, NotLeader, PodClaim, PodNotInJob,
-                                             is_conflict, pod_ready, pod_restarts)
+                                             is_conflict, pod_ready, pod_restarts,
+                                             worker_address)
 from reflow.scheduler.cluster.kube_restart import wait_and_reclaim
 from reflow.scheduler.cluster.local import ServiceLog
 from reflow.scheduler.cluster.worker_calls import is_busy, stop_and_wait_idle, worker_status
@@ -169,7 +170,7 @@ class KubernetesBackend:
         """Label the pods for the job. An elastic job's pods (`roles`) are its workers
         in order: every pod but the leader holds a rollout engine, whatever its role."""
         s = self.settings
-        address = lambda pod: f"{pod.status.pod_ip}:{s.worker_port}"  # noqa: E731
+        address = lambda pod: worker_address(pod, s)  # noqa: E731
         placement = KubePlacement(
             replay_address=s.replay_address,
             rollout_addresses=[address(p) for p in rollouts],
@@ -190,7 +191,7 @@ class KubernetesBackend:
                     return None
                 raise
             placement.pods[pod.metadata.name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod),
-                                                         address(pod))
+                                                         address(pod), pod.status.pod_ip)
         return placement
 
     def _patch(self, pod_name: str, resource_version: str, **metadata):
@@ -373,7 +374,7 @@ class KubernetesBackend:
 
     def _worker_idle(self, pod) -> bool:
         """A worker is offered to a job only if both of its services answer idle."""
-        address = f"{pod.status.pod_ip}:{self.settings.worker_port}"
+        address = worker_address(pod, self.settings)
         try:
             trainer_state, rollout_state, _ = worker_status(
                 address, self.settings.worker_rpc_timeout_s)
@@ -430,8 +431,7 @@ class KubernetesBackend:
                     any(labels.get(k) != v for k, v in self.selector.items()):
                 continue
             if pod.status and pod.status.pod_ip:
-                self._stop_and_wait_idle(pod.metadata.name,
-                                         f"{pod.status.pod_ip}:{s.worker_port}", job_id)
+                self._stop_and_wait_idle(pod.metadata.name, worker_address(pod, s), job_id)
             try:
                 if self._unlabel(pod.metadata.name, job_id, pod.metadata.uid):
                     reclaimed.append(pod.metadata.name)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 
 from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, KubePlacement,
-                                             PodClaim, pod_ready, pod_restarts)
+                                             PodClaim, pod_ready, pod_restarts,
+                                             worker_address)
 from reflow.scheduler.cluster.worker_calls import job_states
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,15 @@ def adopt_placement(backend, job_id: str) -> KubePlacement | None:
             logger.info("job %s: pod %s (role %s) is not ready or mid-flip: not adopted",
                         job_id, name, role)
             return None
-        address = f"{pod.status.pod_ip}:{s.worker_port}"
+        address = worker_address(pod, s)
         trainer_state, rollout_state = job_states(address, job_id, s.worker_rpc_timeout_s)
         if (trainer_state if role == "trainer" else rollout_state) not in (
                 TRAINER_ADOPTABLE if role == "trainer" else ROLLOUT_ADOPTABLE):
             logger.info("job %s: pod %s's %s does not run it (%r): not adopted", job_id, name,
                         role, trainer_state if role == "trainer" else rollout_state)
             return None
-        placement.pods[name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod), address)
+        placement.pods[name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod), address,
+                                        pod.status.pod_ip)
     trainers = placement.trainer_addresses
     placement.rollout_addresses = [c.address for _, c in sorted(placement.pods.items())
                                    if c.role == "rollout"]

@@ -41,6 +41,21 @@ def pod_ready(pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions) and bool(pod.status.pod_ip)
 
 
+def worker_address(pod, settings) -> str:
+    """Where the worker of `pod` is dialled (settings.worker_address): by default
+    its DNS name under the StatefulSet's headless Service, the same whatever IP a
+    recreated pod gets; a pod with no hostname or subdomain, at its IP."""
+    spec = pod.spec
+    hostname = getattr(spec, "hostname", None) if spec else None
+    subdomain = getattr(spec, "subdomain", None) if spec else None
+    template = settings.worker_address
+    if not (hostname and subdomain) and ("{hostname}" in template or "{subdomain}" in template):
+        template = "{pod_ip}:{port}"
+    return template.format(hostname=hostname, subdomain=subdomain,
+                           namespace=settings.namespace, pod_ip=pod.status.pod_ip,
+                           port=settings.worker_port)
+
+
 def pod_restarts(pod) -> int:
     return sum(s.restart_count or 0 for s in (pod.status.container_statuses or []))
 
@@ -57,6 +72,9 @@ class PodClaim:
     uid: str
     restarts: int
     address: str
+    # The pod's IP when claimed: where its trainer sets a weight-sync group up
+    # (REFLOW_POD_IP), which the address, a DNS name, does not say.
+    ip: str = ""
 
 
 @dataclass
@@ -78,6 +96,14 @@ class KubePlacement(Placement):
         for name, claim in sorted(self.pods.items()):
             out.setdefault(claim.role, []).append(name)
         return out
+
+    @property
+    def trainer_host(self) -> str:
+        """The trainer pod's IP, its weight-sync host (rank 0's TCPStore)."""
+        for claim in self.pods.values():
+            if claim.address == self.trainer_address and claim.ip:
+                return claim.ip
+        return self.trainer_address.rpartition(":")[0]
 
     @property
     def trainer_addresses(self) -> list[str]:

@@ -9,9 +9,12 @@ placement. What runs on it is then started again by the job's controller
 (scheduler/jobcontrol/controller.py): a trainer resumes from the run's newest committed
 checkpoint, a rollout worker's groups go out again.
 
-Workers are addressed as the job first knew them: a pod that comes back at
-another address (a new pod IP) is not taken back (PodAddressChanged) and the
-job fails, saying so; the trainer and the dispatcher would need the new one.
+Workers are addressed by their DNS names under the StatefulSet's headless
+Service (kube_pods.worker_address), so a pod recreated at a new IP is the same
+worker: its callers' channels resolve the name again. Only a worker dialled at
+its IP (a pod without hostname and subdomain, or REFLOW_WORKER_ADDRESS naming
+{pod_ip}) that comes back at another one is not taken back (PodAddressChanged):
+the job fails, saying so.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import time
 
 from reflow import rpc
 from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, KubePlacement, PodClaim,
-                                             is_conflict, pod_ready, pod_restarts)
+                                             is_conflict, pod_ready, pod_restarts,
+                                             worker_address)
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +54,12 @@ def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
         elif not backend._worker_idle(pod):
             last = "its worker does not answer idle"
         else:
-            address = f"{pod.status.pod_ip}:{s.worker_port}"
+            address = worker_address(pod, s)
             if address != claim.address:
                 raise PodAddressChanged(
                     f"pod {name} came back at {address}, not at {claim.address} where job "
-                    f"{placement.job_id} knew it")
+                    f"{placement.job_id} knew it; dial workers by name (a StatefulSet "
+                    "with a headless Service, REFLOW_WORKER_ADDRESS) to keep them")
             if _reclaim(backend, placement, name, claim, pod, address):
                 rpc.wait_healthy(address, s.health_timeout_s, role="worker")
                 logger.info("job %s: pod %s is back (%s, %s)", placement.job_id, name,
@@ -84,5 +89,6 @@ def _reclaim(backend, placement: KubePlacement, name: str, claim: PodClaim, pod,
             if is_conflict(err):
                 return False
             raise
-    placement.pods[name] = PodClaim(claim.role, pod.metadata.uid, pod_restarts(pod), address)
+    placement.pods[name] = PodClaim(claim.role, pod.metadata.uid, pod_restarts(pod), address,
+                                    pod.status.pod_ip)
     return True

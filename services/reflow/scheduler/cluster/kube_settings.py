@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 import re
+import string
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+DEFAULT_WORKER_ADDRESS = "{hostname}.{subdomain}.{namespace}.svc.cluster.local:{port}"
+_ADDRESS_FIELDS = {"hostname", "subdomain", "namespace", "pod_ip", "port"}
 
 
 class KubeSettings(BaseModel):
@@ -22,6 +27,12 @@ class KubeSettings(BaseModel):
                                  "label selector of the worker pods, e.g. 'a=b,c=d'.")
     worker_port: int = Field(default=50060, ge=1, le=65535,
                              description="REFLOW_WORKER_PORT: the workers' gRPC port.")
+    worker_address: str = Field(
+        default=DEFAULT_WORKER_ADDRESS, min_length=3, max_length=512,
+        description="REFLOW_WORKER_ADDRESS: how a worker pod is dialled, from its fields "
+        "{hostname}, {subdomain} (the StatefulSet's headless Service), {namespace}, {pod_ip} "
+        "and {port}. The default, its DNS name, stays the same when the pod is recreated at "
+        "another IP; a pod without hostname and subdomain is dialled at its IP.")
     replay_address: str = Field(min_length=3, description="REFLOW_REPLAY_ADDRESS: host:port "
                                 "of the replay-buffer service.")
     scheduler_selector: str = Field(default="", description="REFLOW_SCHEDULER_SELECTOR: "
@@ -47,6 +58,19 @@ class KubeSettings(BaseModel):
                                 description="Placements retried after a lost race, then the "
                                 "job waits PENDING and tries again.")
 
+    @field_validator("worker_address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
+        except ValueError as err:
+            raise ValueError(f"REFLOW_WORKER_ADDRESS: {err}") from None
+        if not names <= _ADDRESS_FIELDS or "port" not in names:
+            raise ValueError(f"REFLOW_WORKER_ADDRESS {value!r}: use only "
+                             f"{', '.join('{' + f + '}' for f in sorted(_ADDRESS_FIELDS))}, "
+                             "and {port}")
+        return value
+
     @classmethod
     def from_env(cls) -> "KubeSettings":
         env = os.environ
@@ -57,6 +81,7 @@ class KubeSettings(BaseModel):
         }
         for key, name in (("worker_port", "REFLOW_WORKER_PORT"),
                           ("scheduler_selector", "REFLOW_SCHEDULER_SELECTOR"),
+                          ("worker_address", "REFLOW_WORKER_ADDRESS"),
                           ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
                           ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
                           ("resync_s", "REFLOW_KUBE_RESYNC_S"),

@@ -60,6 +60,12 @@ class Placement:
     log_dir: Path | None = None
     colocated: bool = False
 
+    @property
+    def trainer_host(self) -> str:
+        """The host the trainer sets its weight-sync group up at, which its rollout
+        workers accept joins from (the host of its address, here)."""
+        return self.trainer_address.rpartition(":")[0]
+
     def exited(self) -> list[tuple[str, int, str]]:
         """Services that are gone: (name, exit code, what happened)."""
         return [(name, p.returncode, "exited") for name, p in self.processes.items()

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from reflow.core.config import JobSpec
-from reflow.core.errors import FailedPrecondition, PermanentError, TemporaryError
+from reflow.core.errors import (ExitedWhileStarting, FailedPrecondition, PermanentError,
+                                TemporaryError)
 from reflow.core.restart_budget import CrashLoop
 from reflow.scheduler.jobcontrol.recovery import backfill_metrics
 from reflow.trainer.checkpoint import latest_checkpoint
@@ -66,6 +67,7 @@ class JobController:
         self.dispatcher, self.start_rollout = dispatcher, start_rollout
         self.pool = pool
         self.budget = spec.cluster.restart_budget()
+        self.trainer_host = placement.trainer_host
         self.recoveries: list[dict] = []
 
     def on_exit(self, name: str, code: int, what: str, elastic: bool) -> None:
@@ -92,7 +94,7 @@ class JobController:
                 restart()
                 return
             except TemporaryError as err:
-                if not self._died_again(name):
+                if not isinstance(err.__cause__, ExitedWhileStarting):
                     raise PermanentError(f"{reason}; recovery failed: {err}") from err
                 # It came back and died while starting: a death like the first, counted
                 # against the same budget, so a service that dies at start is a crash
@@ -100,12 +102,6 @@ class JobController:
                 self._count_restart(name)
                 self._recorded({"event": "service_died_starting", "service": service,
                                 "worker": name, "error": str(err)[:300]})
-
-    def _died_again(self, name: str) -> bool:
-        try:
-            return any(gone == name for gone, _, _ in self.placement.exited())
-        except Exception:  # noqa: BLE001 - a placement that cannot say: not known to be dead
-            return False
 
     def _drop_worker(self, name: str, reason: str) -> None:
         """An elastic job's worker died: the job goes on without it (its groups in
@@ -192,6 +188,27 @@ class JobController:
                            "%g s)", self.record.job_id, name, wait, self.budget.window_s)
             time.sleep(wait)
 
+    def _tell_engines_the_trainer_host(self) -> None:
+        """A trainer pod recreated at a new IP sets its weight-sync group up there:
+        each engine still in the job accepts joins from the new host from now on
+        (its address, a DNS name, did not change)."""
+        host = self.placement.trainer_host
+        if host == self.trainer_host:
+            return
+        lost = self.pool.lost_addresses if self.pool is not None else set()
+        clients = getattr(self.dispatcher, "clients", {}) if self.dispatcher else {}
+        for address, client in clients.items():
+            if address in lost:
+                continue
+            try:
+                client.set_sync_place(self.record.job_id, 0, 0, trainer_host=host)
+            except Exception as err:  # noqa: BLE001 - that engine's join fails; it is rebuilt
+                logger.warning("job %s: engine %s not told the trainer's new host %s: %s",
+                               self.record.job_id, address, host, err)
+        logger.info("job %s: the trainer's weight-sync host %s -> %s", self.record.job_id,
+                    self.trainer_host, host)
+        self.trainer_host = host
+
     def _count_restart(self, name: str) -> None:
         now = time.time()
         self.record.restarts[name] = self.record.restarts.get(name, 0) + 1
@@ -223,6 +240,7 @@ class JobController:
             self.backend.restart(self.placement, name)
         except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
             raise TemporaryError(f"trainer did not come back: {type(err).__name__}: {err}") from err
+        self._tell_engines_the_trainer_host()
         # The dead incarnation's leases: every lease of the job (one leader at a time).
         returned = self.replay.return_all_leases(job_id)
         # Newer than the one looked at above if the dying trainer's last save committed.

@@ -282,7 +282,7 @@ class Scheduler(JobRecovery):
             trainer = GrpcTrainerClient(placement.trainer_address)
             # Each rollout engine's place in the trainer's weight-sync group, as the
             # trainer will build it (weightsync.RankPlan).
-            trainer_host = placement.trainer_address.rpartition(":")[0]
+            trainer_host = placement.trainer_host
             plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
             def start_rollout(i: int) -> None:
                 rollouts[i].start_job(record.job_id, record.spec_json, placement.replay_address,

@@ -267,7 +267,10 @@ def run_local(spec: JobSpec, out: str | None, resume_job_id: str = "",
                               {**env, "REFLOW_METRICS_PORT": str(api_metrics),
                                "REFLOW_API_TOKEN_FILE": str(token_file),
                                **redis_acl.env_for("api", redis_urls)}))
-        rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, role="scheduler")
+        # The Scheduler service, not the process: a scheduler serves health while it
+        # still recovers its jobs (scheduler/server.py).
+        rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, service="reflow.v1.Scheduler",
+                         role="scheduler")
         if sandbox is not None:
             sandbox.wait()
             sandbox.supervise()

@@ -36,7 +36,7 @@ def control_plane(tmp_path):
            "REFLOW_API_TOKEN_FILE": str(token_file), "REFLOW_METRICS_PORT": str(metrics_port)}
     log = open(tmp_path / "services.log", "ab")
     started = [_serve("scheduler", sched_port, {**env, "REFLOW_METRICS_PORT": str(procs.free_port())}, log)]
-    rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60)
+    rpc.wait_healthy(f"127.0.0.1:{sched_port}", 60, service="reflow.v1.Scheduler")
 
     def start_api():
         proc = _serve("api", api_port, env, log)

@@ -249,7 +249,9 @@ def test_worker_pods_killed_and_recreated_under_their_names_go_back_into_the_job
     resolves to the new IP), starts the lost service on it again (the trainer
     resuming from its newest checkpoint, the engines told its new weight-sync
     host), the surviving rollout worker re-joins the new weight-sync group, and the
-    job trains on. A pod that never comes back fails the job, naming it."""
+    job trains on. Then a rollout pod gone for good: the idle pod takes its place
+    (its engine at the lost one's rank, with the trained weights). With no idle pod
+    left, a pod that never comes back fails the job, naming it."""
     api = cluster["api"]
     backend = KubernetesBackend(_settings(cluster, max_rollout_workers=2), api.client())
     scheduler = Scheduler(JobStore(redis.Redis.from_url(cluster["redis"])), backend,
@@ -290,7 +292,7 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
         at_restart = scheduler.get("victim").step
         _wait(lambda: scheduler.get("victim").step > at_restart or scheduler.get("victim").terminal,
               300, "the next step")
-        loss_to_step[role] = round(time.monotonic() - lost_at, 1)
+        loss_to_step[f"{role}_new_ip"] = round(time.monotonic() - lost_at, 1)
         job = scheduler.get("victim")
         assert job.phase == "RUNNING", (job.reason, _worker_log_tails(cluster))
         # Claimed again for this job, in its role; no other pod changed hands.
@@ -308,8 +310,7 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
     assert [(e["service"], e["worker"]) for e in restarted] == [
         ("rollout", job.workers["rollout"][0]), ("trainer", job.workers["trainer"][0])]
     # From the pod found lost to its service started on it again (a measurement).
-    print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted],
-                      "new_ip_loss_to_next_step_s": loss_to_step}))
+    print(json.dumps({"pod_restarts": [(e["service"], e["restart_s"]) for e in restarted]}))
 
     # Both engines hold weights the restarted trainer published: the surviving one
     # re-joined its new weight-sync group.
@@ -323,14 +324,51 @@ def _kill_and_recreate_pods_of_a_running_job(cluster, scheduler, tmp_path):
         client.close()
     assert min(versions) > version_at_kill["trainer"], (versions, version_at_kill)
 
-    # A pod deleted for good (its StatefulSet scaled down) is waited for, then the
-    # job fails, naming it.
-    scheduler.backend.settings.replace_timeout_s = 5
-    name = job.workers["rollout"][0]
-    api.delete("pods", NAMESPACE, name)
+    # A rollout pod gone for good (its node lost): once it has not come back within
+    # replace_with_idle_s, the idle pod takes its place. Its engine takes the lost
+    # one's rank in the weight-sync group and receives the trained weights, the
+    # dispatcher routes to it, and the job trains on.
+    settings = scheduler.backend.settings
+    settings.replace_with_idle_s = 3
+    idle = next(n for n in (f"rl-worker-{i}" for i in range(NUM_WORKERS)) if n not in pods)
+    gone = [job.workers["rollout"][0]]
+    before = scheduler.get("victim").step
+    lost_at = time.monotonic()
+    cluster["kill_worker"](int(gone[0].rsplit("-", 1)[1]))
+    api.delete("pods", NAMESPACE, gone[0])
+    job = _wait(lambda: (r := scheduler.get("victim")).terminal
+                or idle in r.workers.get("rollout", []) and r, 300, "the idle pod in its place")
+    assert job.phase == "RUNNING", (job.reason, _worker_log_tails(cluster))
+    assert _claimed(api) == {**{n: j for n, j in pods.items() if n != gone[0]}, idle: "victim"}
+    assert _pod_labels(api, idle)[ROLE_LABEL] == "rollout"
+    _wait(lambda: scheduler.get("victim").step >= before + 2, 300, "training to go on")
+    loss_to_step["replaced_by_idle"] = round(time.monotonic() - lost_at, 1)
+    replacement = GrpcRolloutClient(f"{api.get('pods', NAMESPACE, idle)['status']['podIP']}:"
+                                    f"{cluster['port']}")
+    _wait(lambda: replacement.stats("victim").policy_version > version_at_kill["trainer"], 300,
+          "the replacement engine to receive the trained weights")
+    replacement.close()
+    events = [json.loads(line) for line in
+              (tmp_path / "victim" / "scheduler_events.jsonl").read_text().splitlines()]
+    assert [(e["worker"], e["replaced_by"]) for e in events
+            if e["event"] == "service_restarted" and "replaced_by" in e] == [(gone[0], idle)]
+    records = scheduler.metrics("victim", 0, 10_000)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    print(json.dumps({"loss_to_next_step_s": loss_to_step}))
+
+    # No idle pod is left: the next rollout pod gone for good is waited for, then
+    # the job fails, naming it.
+    settings.replace_timeout_s = 5
+    gone.append(next(n for n in scheduler.get("victim").workers["rollout"] if n != idle))
+    cluster["kill_worker"](int(gone[1].rsplit("-", 1)[1]))
+    api.delete("pods", NAMESPACE, gone[1])
     job = _wait(lambda: (r := scheduler.get("victim")).terminal and r, 120, "the job to fail")
-    assert job.phase == "FAILED" and name in job.reason and "did not come back" in job.reason
-    api.create(_pod(cluster, int(name.rsplit("-", 1)[1])))
+    assert job.phase == "FAILED" and gone[1] in job.reason and "did not come back" in job.reason
+    for name in gone:
+        i = int(name.rsplit("-", 1)[1])
+        cluster["restart_worker"](i)
+        rpc.wait_healthy(f"{cluster['ips'][i]}:{cluster['port']}", 120)
+        api.create(_pod(cluster, i))
     _wait(lambda: _all_idle(api), 120, "the pods released")
 
 
@@ -365,23 +403,22 @@ def _leaders(api, names) -> list[str]:
     return [n for n in names if _pod_labels(api, n).get(LEADER_LABEL) == "true"]
 
 
-def _claimed_by(api, job_id: str) -> list[str]:
-    """The pods there now that carry `job_id`."""
-    out = []
+def _claimed(api) -> dict[str, str]:
+    """Pod name -> the job it carries, for the pods there now that carry one."""
+    out = {}
     for i in range(NUM_WORKERS):
         try:
-            labels = _pod_labels(api, f"rl-worker-{i}")
+            job = _pod_labels(api, f"rl-worker-{i}").get(JOB_LABEL)
         except Exception:  # noqa: BLE001 - a pod deleted for good
             continue
-        if labels.get(JOB_LABEL) == job_id:
-            out.append(f"rl-worker-{i}")
+        if job:
+            out[f"rl-worker-{i}"] = job
     return out
 
 
-def _claimed(api) -> dict[str, str]:
-    """Pod name -> the job it carries, for the pods that carry one."""
-    return {f"rl-worker-{i}": job for i in range(NUM_WORKERS)
-            if (job := _pod_labels(api, f"rl-worker-{i}").get(JOB_LABEL))}
+def _claimed_by(api, job_id: str) -> list[str]:
+    """The pods there now that carry `job_id`."""
+    return [name for name, job in _claimed(api).items() if job == job_id]
 
 
 def test_schedulers_hand_a_running_job_over_and_a_new_leader_re_adopts_it(cluster, pods,

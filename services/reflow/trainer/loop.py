@@ -125,7 +125,8 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.group_failure_times: list[float] = []
         self.weight_sync_rebuild_times: list[float] = []
         # Engines of lost workers that left the job (trainer/membership.py).
-        self._pending_engines: list[str] | None = None
+        # (addresses, client factory) the scheduler set, not yet applied (membership.py).
+        self._pending_engines: tuple[list[str], object] | None = None
         self.retired_engines: list[str] = []
         self._engines_changed = False
         self._trainer_client_factory = trainer_client_factory
@@ -316,7 +317,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
         while self.step < self.spec.trainer.num_steps:
             if self._stop.is_set():
                 raise JobStopped()
-            self._apply_retired()
+            self._apply_engines()
             step_start = time.monotonic()
             # 1. Wait for a batch; the wait is the trainer's idle time.
             batch = self._lease_batch()
@@ -462,7 +463,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
             )
             if batch is not None:
                 return batch
-            self._apply_retired()
+            self._apply_engines()
             self._check_rollouts()
             self.resync_replaced_engines()
         raise JobStopped()

@@ -12,8 +12,9 @@ fail on every rank (trainer/dp.py GroupBroken) before any optimizer step, so
 the leader rebuilds the group at once from the replicas that stand by again
 and trains the same batch, still leased, again (`_regroup_after`). The dead
 replica is not waited for; the job goes on with one replica fewer. A lost
-worker's engine leaves the weight-sync group the same way (`retire_engines`,
-from the scheduler, which knows which worker died).
+worker's engine leaves the weight-sync group the same way (`set_engines`,
+from the scheduler, which knows which worker died), or a new engine takes its
+place (an idle pod that replaced a lost rollout pod).
 """
 
 from __future__ import annotations
@@ -350,33 +351,44 @@ class GroupMembership:
 
     # --- the rollout engines ----------------------------------------------------------
 
-    def retire_engines(self, keep: list[str]) -> None:
-        """The rollout engines still in the job: a subset of those it started with
-        (a lost worker's engine leaves; none joins). Applied on the training thread
-        (`_apply_retired`); the next publish builds a weight-sync group without the
-        ones that left."""
+    def set_engines(self, addresses: list[str], new_client=None) -> None:
+        """The rollout engines from now on, in weight-sync rank order: those the job
+        started with, less a lost worker's (it leaves), or with a new address where
+        a lost one's was (an idle pod took its place, its engine started at that
+        rank by the scheduler; `new_client(address)` makes its client). Applied
+        on the training thread (`_apply_engines`); the next publish builds a
+        weight-sync group over the new set."""
         known = {c.address for c in self.rollouts}
-        unknown = [a for a in keep if a not in known]
-        if unknown:
-            raise ValueError(f"rollout_addresses: {unknown[0][:80]!r} is not an engine of this "
-                             "job; engines only leave a running job")
+        joining = [a for a in addresses if a not in known]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError("rollout_addresses: an engine is listed twice")
+        if joining and (new_client is None or len(addresses) > len(self.rollouts)):
+            raise ValueError(f"rollout_addresses: {joining[0][:80]!r} is not an engine of this "
+                             "job; a new engine only takes a lost one's place")
         with self._membership_lock:
-            self._pending_engines = list(keep)
+            self._pending_engines = (list(addresses), new_client)
 
-    def _apply_retired(self) -> None:
+    def _apply_engines(self) -> None:
         with self._membership_lock:
-            keep, self._pending_engines = self._pending_engines, None
-        if keep is None:
+            pending, self._pending_engines = self._pending_engines, None
+        if pending is None:
             return
-        gone = [c.address for c in self.rollouts if c.address not in keep]
-        if not gone:
+        addresses, new_client = pending
+        current = {c.address: c for c in self.rollouts}
+        if list(current) == addresses:
             return
+        gone = [a for a in current if a not in addresses]
+        joined = [a for a in addresses if a not in current]
         # In place: the evaluation thread holds the same list.
-        self.rollouts[:] = [c for c in self.rollouts if c.address in keep]
+        self.rollouts[:] = [current[a] if a in current else new_client(a) for a in addresses]
         for address in gone:
             self._stats_polls.pop(address, None)
             self.retired_engines.append(address)
         # The group built over the old engine set cannot carry the next version.
         self._engines_changed = True
+        if joined:
+            logger.warning("job %s: rollout engines %s took the places of %s", self.job_id,
+                           ", ".join(joined), ", ".join(gone))
+            return
         logger.warning("job %s: rollout engines %s left the job; %d remain", self.job_id,
                        ", ".join(gone), len(self.rollouts))

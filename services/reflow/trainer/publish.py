@@ -220,7 +220,7 @@ class WeightPublisher:
         once the job's workers run again and publish as a resync (bounded by
         cluster.max_restarts within cluster.restart_window_s). Engines that left the job since the last
         publish (a lost worker's, trainer/membership.py) take a rebuild first."""
-        self._apply_retired()
+        self._apply_engines()
         if self._engines_changed:
             return self._rebuild_weight_sync(f"engines {', '.join(self.retired_engines)} left "
                                              "the job", counted=False)
@@ -284,7 +284,7 @@ class WeightPublisher:
         deadline = time.monotonic() + ENGINE_RETURN_TIMEOUT_S
         while True:
             # A lost worker's engine leaves the set once the scheduler says so.
-            self._apply_retired()
+            self._apply_engines()
             states = {}
             for c in self.rollouts:
                 try:

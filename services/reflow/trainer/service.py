@@ -154,7 +154,7 @@ class TrainerService:
                                                                             "running"):
             raise FailedPrecondition(f"job {job_id[:80]!r} is not training on this trainer")
         if engines:
-            self.loop.retire_engines(engines)
+            self.loop.set_engines(engines, self._rollout_client_factory)
         return self.loop.reconfigure(peers, scripted_flips)
 
     def _replica_for(self, job_id: str):

@@ -23,13 +23,15 @@ class Backend(Protocol):
     def release(self, placement: Placement) -> None:
         """Take the job's services down (or back to the free pool), nothing left behind."""
 
-    def restart(self, placement: Placement, name: str) -> None:
+    def restart(self, placement: Placement, name: str) -> str | None:
         """Start service `name` of a placement again, at the same address, after it
         died; returns once it is healthy. Local: a new process on the same port.
         Kubernetes: waits for the pod to come back under its name (the StatefulSet
-        recreates it, the kubelet restarts the container) and starts the service on
-        it again (scheduler/cluster/kube_restart.py). Optional: where a backend lacks it, the
-        job controller fails the job instead."""
+        recreates it, the kubelet restarts the container) or, for a rollout pod not
+        back in time, claims an idle pod in its place, and returns the pod now there
+        (scheduler/cluster/kube_restart.py); its address then replaces the lost one's
+        in `placement.rollout_addresses`. Optional: where a backend lacks it, the job
+        controller fails the job instead."""
 
     def adopt(self, job_id: str) -> Placement | None:
         """Optional, where a job's services outlive the scheduler that placed them

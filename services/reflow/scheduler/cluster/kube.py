@@ -391,15 +391,16 @@ class KubernetesBackend:
         return stop_and_wait_idle(name, address, job_id, self.settings.worker_rpc_timeout_s,
                                   self.settings.stop_timeout_s)
 
-    def restart(self, placement: KubePlacement, name: str) -> None:
+    def restart(self, placement: KubePlacement, name: str) -> str:
         """Take pod `name` of the job back once it is there again under its name
         (the StatefulSet recreates a deleted pod, the kubelet restarts a container),
         ready, with an idle worker at the address the job knows: labelled with the
-        job and its role again, and claimed anew (its UID and restart count). Its
-        services are then started by the job's controller. TimeoutError after
-        `replace_timeout_s`; PodAddressChanged when it came back elsewhere."""
-
-        wait_and_reclaim(self, placement, name)
+        job and its role again, and claimed anew (its UID and restart count); or a
+        rollout pod's place taken by an idle pod after `replace_with_idle_s`. Its
+        services are then started by the job's controller. Returns the pod now in
+        `name`'s place. TimeoutError after `replace_timeout_s`; PodAddressChanged
+        when it came back elsewhere."""
+        return wait_and_reclaim(self, placement, name)
 
     def adopt(self, job_id: str) -> KubePlacement | None:
         """The running job's placement from its pods, for a new scheduler

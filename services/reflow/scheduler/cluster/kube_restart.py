@@ -9,6 +9,13 @@ placement. What runs on it is then started again by the job's controller
 (scheduler/jobcontrol/controller.py): a trainer resumes from the run's newest committed
 checkpoint, a rollout worker's groups go out again.
 
+A rollout pod that is not back within REFLOW_KUBE_REPLACE_WITH_IDLE_S is
+replaced by an idle worker pod, if one is free (`claim_replacement`): the new
+pod takes the lost one's place in the placement, and its engine the lost
+engine's rank in the weight-sync group (the group keeps its shape), so the
+trainer and the dispatcher swap one address for another. A trainer pod is
+always waited for: its pod holds the job's trainer address.
+
 Workers are addressed by their DNS names under the StatefulSet's headless
 Service (kube_pods.worker_address), so a pod recreated at a new IP is the same
 worker: its callers' channels resolve the name again. Only a worker dialled at
@@ -36,12 +43,20 @@ class PodAddressChanged(RuntimeError):
     """The pod came back under its name at an address the job does not know."""
 
 
-def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
+def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> str:
+    """Returns the pod now serving in `name`'s place: `name` itself, or (a rollout
+    pod not back within replace_with_idle_s) an idle pod claimed instead."""
     s = backend.settings
     claim = placement.pods[name]
-    deadline = time.monotonic() + s.replace_timeout_s
+    started = time.monotonic()
+    deadline = started + s.replace_timeout_s
     last = "not there"
     while True:
+        if (claim.role == "rollout" and s.replace_with_idle_s
+                and time.monotonic() - started > s.replace_with_idle_s):
+            replacement = claim_replacement(backend, placement, name)
+            if replacement is not None:
+                return replacement
         # The watch's view, which lost_pods reads too: once it shows the pod back,
         # the next check of the job finds nothing lost.
         pod = backend.pod_watch.get(name)
@@ -64,12 +79,46 @@ def wait_and_reclaim(backend, placement: KubePlacement, name: str) -> None:
                 rpc.wait_healthy(address, s.health_timeout_s, role="worker")
                 logger.info("job %s: pod %s is back (%s, %s)", placement.job_id, name,
                             claim.role, address)
-                return
+                return name
             last = "its labels changed under the claim (409)"
         if time.monotonic() > deadline:
             raise TimeoutError(f"pod {name} did not come back within {s.replace_timeout_s:.0f}s "
                                f"(REFLOW_KUBE_REPLACE_TIMEOUT_S): {last}")
         time.sleep(POLL_S)
+
+
+def claim_replacement(backend, placement: KubePlacement, lost: str) -> str | None:
+    """An idle, ready, unassigned worker pod takes lost rollout pod `lost`'s place
+    in the job: labelled with the job and the role (the same preconditioned patch
+    as a placement), its address put where the lost one's was, so that its engine
+    takes the lost engine's rank in the weight-sync group. None when no pod is
+    free (the wait for the lost one goes on) or every free one was taken first."""
+    claim = placement.pods[lost]
+    for pod in backend.free_workers():
+        if not backend._worker_idle(pod):
+            continue
+        try:
+            backend._patch_labels(pod.metadata.name, claim.role, placement.job_id,
+                                  pod.metadata.resource_version)
+        except Exception as err:
+            if is_conflict(err):
+                continue  # another placement took it: the next one
+            raise
+        address = worker_address(pod, backend.settings)
+        rpc.wait_healthy(address, backend.settings.health_timeout_s, role="worker")
+        # Replaced, never mutated: other threads read these.
+        placement.rollout_addresses = [address if a == claim.address else a
+                                       for a in placement.rollout_addresses]
+        pods = dict(placement.pods)
+        del pods[lost]
+        pods[pod.metadata.name] = PodClaim(claim.role, pod.metadata.uid, pod_restarts(pod),
+                                           address, pod.status.pod_ip)
+        placement.pods = pods
+        logger.warning("job %s: pod %s did not come back within %.0f s; idle pod %s takes "
+                       "its place (%s)", placement.job_id, lost,
+                       backend.settings.replace_with_idle_s, pod.metadata.name, address)
+        return pod.metadata.name
+    return None
 
 
 def _reclaim(backend, placement: KubePlacement, name: str, claim: PodClaim, pod,

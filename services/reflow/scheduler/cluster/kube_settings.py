@@ -54,6 +54,10 @@ class KubeSettings(BaseModel):
                                      "job waits for a lost worker pod to come back under its "
                                      "name (recreated, image pulled, model loaded) before it "
                                      "fails.")
+    replace_with_idle_s: float = Field(default=120.0, ge=0, le=86400,
+                                       description="REFLOW_KUBE_REPLACE_WITH_IDLE_S: how long "
+                                       "a lost rollout pod is waited for before an idle "
+                                       "worker pod takes its place in the job; 0: never.")
     claim_attempts: int = Field(default=5, ge=1, le=100,
                                 description="Placements retried after a lost race, then the "
                                 "job waits PENDING and tries again.")
@@ -85,7 +89,8 @@ class KubeSettings(BaseModel):
                           ("max_rollout_workers", "REFLOW_MAX_ROLLOUT_WORKERS"),
                           ("request_timeout_s", "REFLOW_KUBE_TIMEOUT_S"),
                           ("resync_s", "REFLOW_KUBE_RESYNC_S"),
-                          ("replace_timeout_s", "REFLOW_KUBE_REPLACE_TIMEOUT_S")):
+                          ("replace_timeout_s", "REFLOW_KUBE_REPLACE_TIMEOUT_S"),
+                          ("replace_with_idle_s", "REFLOW_KUBE_REPLACE_WITH_IDLE_S")):
             if name in env:
                 values[key] = env[name]
         return cls(**values)

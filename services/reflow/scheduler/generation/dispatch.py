@@ -317,6 +317,27 @@ class Dispatcher:
             self._cond.notify_all()
         return rerouted
 
+    def replace_worker(self, name: str, new_name: str, client) -> None:
+        """`new_name` takes the place of `name`, which left the job for good (an idle
+        pod took a lost rollout pod's place): `name`'s groups go out again, and
+        `new_name` is routed to once its engine runs."""
+        rerouted = self.worker_retired(name)
+        with self._cond:
+            # New dicts, not grown ones: other threads iterate them unlocked.
+            self.clients = {**self.clients, new_name: client}
+            self.loads = {**self.loads,
+                          new_name: WorkerLoad(new_name, self.loads[name].cap, routable=False)}
+            self._unready.add(new_name)
+            self._ready_checked = -READY_POLL_S
+            self._cond.notify_all()
+        thread = threading.Thread(target=self._guard, args=(self._event_loop, (new_name,)),
+                                  name=f"dispatch-{self.job_id[:20]}-events-{new_name}",
+                                  daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        self.record({"event": "worker_replaced", "worker": name, "by": new_name,
+                     "groups_rerouted": rerouted})
+
     def inflight(self, name: str) -> int:
         """Samples the dispatcher holds out on `name` (routed, not yet ended)."""
         with self._cond:

@@ -54,17 +54,19 @@ RESTARTABLE = ("trainer", "replay", "rollout")
 class JobController:
     def __init__(self, record, spec: JobSpec, store, backend, placement, replay, trainer,
                  run_dir: Path, events=None, dispatcher=None, start_rollout=None,
-                 pool=None) -> None:
+                 pool=None, replace_rollout=None) -> None:
         """`record`/`store`: the job's record and the job store; `replay`,
         `trainer`: clients of the job's buffer and trainer; `events(dict)`: the
         job's scheduling-event log (the dispatcher's); `dispatcher`: the job's
         dispatcher; `start_rollout(i)`: starts the job on rollout worker i;
-        `pool`: an elastic job's ElasticPool."""
+        `replace_rollout(i, address)`: rollout worker i is now at `address`, its new
+        client; `pool`: an elastic job's ElasticPool."""
         self.record, self.spec, self.store = record, spec, store
         self.backend, self.placement = backend, placement
         self.replay, self.trainer, self.run_dir = replay, trainer, run_dir
         self.events = events or (lambda event: None)
         self.dispatcher, self.start_rollout = dispatcher, start_rollout
+        self.replace_rollout = replace_rollout
         self.pool = pool
         self.budget = spec.cluster.restart_budget()
         self.trainer_host = placement.trainer_host
@@ -158,22 +160,50 @@ class JobController:
         """A rollout worker comes back at its address, from model.path: the
         groups it held go out again (the dispatcher's worker_lost), and the trainer,
         whose next weight update to it fails, builds a new weight-sync group once
-        it runs and publishes the trained weights to it (trainer/publish.py)."""
+        it runs and publishes the trained weights to it (trainer/publish.py). On
+        Kubernetes an idle pod may take its place instead (cluster/kube_restart.py):
+        its engine takes the lost one's rank, and the dispatcher and the trainer
+        swap the one address for the other."""
         if self.dispatcher is None or self.start_rollout is None:
             raise PermanentError("rollout worker died; this job cannot start a new one")
         started = time.monotonic()
         address = self._address_of(name)
+        index = self.placement.rollout_addresses.index(address)
         rerouted = self.dispatcher.worker_lost(address)
         try:
-            self.backend.restart(self.placement, name)
-            self.start_rollout(self.placement.rollout_addresses.index(address))
+            serving = self.backend.restart(self.placement, name) or name
+            now_at = self.placement.rollout_addresses[index]
+            client = None
+            if now_at != address:
+                if self.replace_rollout is None:
+                    raise PermanentError(f"{name} was replaced by {serving}, which this job "
+                                         "cannot take in")
+                client = self.replace_rollout(index, now_at)
+            self.start_rollout(index)
+            if client is not None:
+                self._take_in_replacement(address, now_at, client)
+        except PermanentError:
+            raise
         except Exception as err:  # noqa: BLE001 - typed here: the restart may be retried
             raise TemporaryError(f"rollout worker did not come back: {type(err).__name__}: "
                                  f"{err}") from err
         self._count_restart(name)
-        self._recorded({"event": "service_restarted", "service": "rollout", "exit_code": code,
-                        "worker": name, "groups_rerouted": rerouted,
-                        "restart_s": round(time.monotonic() - started, 3)})
+        event = {"event": "service_restarted", "service": "rollout", "exit_code": code,
+                 "worker": name, "groups_rerouted": rerouted,
+                 "restart_s": round(time.monotonic() - started, 3)}
+        if serving != name:
+            event.update(replaced_by=serving, address=now_at)
+        self._recorded(event)
+
+    def _take_in_replacement(self, lost: str, address: str, client) -> None:
+        """The engine at `address` has the lost one's place: the dispatcher routes to
+        it once it runs, and the trainer publishes to it (its next weight-sync group
+        has the new engine at the lost one's rank)."""
+        self.dispatcher.replace_worker(lost, address, client)
+        self.trainer.reconfigure(self.record.job_id, None,
+                                 rollout_addresses=list(self.placement.rollout_addresses))
+        self.record.workers = self.placement.workers
+        self.store.save(self.record)
 
     def _wait_out_backoff(self, name: str) -> None:
         """Raise PermanentError for a crash loop (more than cluster.max_restarts

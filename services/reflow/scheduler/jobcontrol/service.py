@@ -285,8 +285,16 @@ class Scheduler(JobRecovery):
             trainer_host = placement.trainer_host
             plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
             def start_rollout(i: int) -> None:
+                # The trainer's host as of now: its pod may have come back elsewhere.
                 rollouts[i].start_job(record.job_id, record.spec_json, placement.replay_address,
-                                      plan.first_rank(i), plan.world_size, trainer_host)
+                                      plan.first_rank(i), plan.world_size,
+                                      placement.trainer_host)
+
+            def replace_rollout(i: int, address: str) -> GrpcRolloutClient:
+                """Rollout worker i is now at `address` (an idle pod took a lost
+                one's place): its client, which start_rollout(i) then starts."""
+                rollouts[i] = GrpcRolloutClient(address)
+                return rollouts[i]
 
             pool = None
             if adopted is None:
@@ -307,7 +315,7 @@ class Scheduler(JobRecovery):
             feed = PlacementFeed(planner, dispatcher, pool) if planner is not None else None
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
                                                       dispatcher, stop, feed, pool,
-                                                      start_rollout)
+                                                      start_rollout, replace_rollout)
             # A handover leaves the job running only where its services outlive us.
             keep_running = record.phase == "RUNNING" and self._adoptable(pool)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
@@ -445,12 +453,14 @@ class Scheduler(JobRecovery):
     def _watch(self, record: JobRecord, placement: Placement, trainer: GrpcTrainerClient,
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
                stop: threading.Event, feed: PlacementFeed | None = None,
-               pool: ElasticPool | None = None, start_rollout=None) -> tuple[str, str]:
+               pool: ElasticPool | None = None, start_rollout=None,
+               replace_rollout=None) -> tuple[str, str]:
         spec = JobSpec.model_validate_json(record.spec_json)
         controller = JobController(record, spec, self.store, self.backend, placement,
                                    dispatcher.replay, trainer, Path(record.run_dir),
                                    events=dispatcher.record, dispatcher=dispatcher,
-                                   start_rollout=start_rollout, pool=pool)
+                                   start_rollout=start_rollout, pool=pool,
+                                   replace_rollout=replace_rollout)
         rollout_polls = [ConsecutiveFailures(f"job {record.job_id}: rollout {c.address}",
                                              MAX_POLL_FAILURES) for c in rollouts]
         trainer_polls = ConsecutiveFailures(f"job {record.job_id}: trainer", MAX_POLL_FAILURES)

@@ -120,12 +120,10 @@ class TrainLoop(GroupMembership, WeightPublisher):
         self.scripted_flips_seen = 0
         # Times the group broke by a member's loss (trainer/membership.py).
         self.group_failures = 0
-        # When each break and counted rebuild happened: both are bounded by
-        # cluster.max_restarts within cluster.restart_window_s (core/restart_budget.py).
+        # When each break and counted rebuild happened (core/restart_budget.py's window).
         self.group_failure_times: list[float] = []
         self.weight_sync_rebuild_times: list[float] = []
-        # Engines of lost workers that left the job (trainer/membership.py).
-        # (addresses, client factory) the scheduler set, not yet applied (membership.py).
+        # The engines the scheduler set and their client factory, not yet applied.
         self._pending_engines: tuple[list[str], object] | None = None
         self.retired_engines: list[str] = []
         self._engines_changed = False
@@ -260,8 +258,6 @@ class TrainLoop(GroupMembership, WeightPublisher):
         if self.root is not None:
             return policy_parameters(self.root)
         return synced_parameters(self.model)
-
-    # --- the data-parallel group (paper §5) ------------------------------------------
 
     # --- the loop -----------------------------------------------------------------
 

@@ -103,7 +103,7 @@ class KubePlacement(Placement):
         for claim in self.pods.values():
             if claim.address == self.trainer_address and claim.ip:
                 return claim.ip
-        return self.trainer_address.rpartition(":")[0]
+        return Placement.trainer_host.fget(self)
 
     @property
     def trainer_addresses(self) -> list[str]:

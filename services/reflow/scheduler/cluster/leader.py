@@ -222,8 +222,6 @@ def mark_leader_pod(core_api, namespace: str, pod_name: str, leading: bool, call
     without a goodbye, whose restarted container kept its pod's labels), so the
     Service has one endpoint. Best effort, logged: the Lease, not the label,
     decides who acts, and a standby refuses calls that reach it."""
-    from kubernetes.client.exceptions import ApiException
-
     call = call or (lambda fn, *a, **kw: fn(*a, **kw))
     try:
         if leading:
@@ -235,6 +233,6 @@ def mark_leader_pod(core_api, namespace: str, pod_name: str, leading: bool, call
                          {"metadata": {"labels": {LEADER_LABEL: None}}})
         call(core_api.patch_namespaced_pod, pod_name, namespace,
              {"metadata": {"labels": {LEADER_LABEL: "true" if leading else None}}})
-    except (ApiException, Exception) as err:  # noqa: BLE001 - see above
+    except Exception as err:  # noqa: BLE001 - best effort, see above
         logger.warning("pod %s: leader label not %s (%s: %s)", pod_name,
                        "set" if leading else "removed", type(err).__name__, err)

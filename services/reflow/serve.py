@@ -267,7 +267,12 @@ def _cluster_backend(redis_url: str):
         from reflow.redis_acl import REPLAY_URL_ENV
         from reflow.scheduler.cluster.local import LocalBackend
 
-        return LocalBackend(os.environ.get(REPLAY_URL_ENV) or redis_url)
+        raw = os.environ.get("REFLOW_LOCAL_MAX_WORKERS", "0")
+        if not raw.isdigit():
+            raise SystemExit(f"REFLOW_LOCAL_MAX_WORKERS: {raw!r} is not a whole number of "
+                             "worker processes (0: no limit)")
+        return LocalBackend(os.environ.get(REPLAY_URL_ENV) or redis_url,
+                            max_workers=int(raw))
     if backend == "kubernetes":
         from reflow.scheduler.cluster.kube import KubernetesBackend
 

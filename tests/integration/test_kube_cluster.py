@@ -496,3 +496,85 @@ def test_an_elastic_job_whose_worker_pod_is_gone_for_good_shrinks_and_goes_on(cl
     finally:
         cluster["restart_worker"](2)
         rpc.wait_healthy(f"{cluster['ips'][2]}:{cluster['port']}", 120)
+
+
+def test_a_job_grows_into_a_freed_pod_and_gives_it_back_to_a_job_that_waits(cluster, pods,
+                                                                             tmp_path):
+    """A job with a range of rollout workers (1 to 2) starts with the one pod left
+    free, grows into a pod another job released (its engine joins the weight-sync
+    group at the next rank, loads the trained weights and gets work), and gives it
+    back when a third job finds too few free pods; that job runs, and the first
+    trains on throughout with every step recorded once."""
+    api = cluster["api"]
+    backend = KubernetesBackend(_settings(cluster, max_rollout_workers=0), api.client())
+    scheduler = Scheduler(JobStore(redis.Redis.from_url(cluster["redis"])), backend,
+                          PathRoots(tmp_path, Path(cluster["model"]).parent))
+
+    def spec(name: str, steps: int, high: int) -> str:
+        return parse_job_spec({**json.loads(_spec(cluster, name, steps)),
+                               "cluster": {"max_rollout_workers": high}}).model_dump_json()
+
+    try:
+        scheduler.submit(spec("short", 6, 1), job_id="short")
+        _wait(lambda: scheduler.get("short").phase == "RUNNING", 120, "short placed")
+        scheduler.submit(spec("grows", 100_000, 2), job_id="grows")
+        job = _wait(lambda: (r := scheduler.get("grows")).step >= 2 and r, 300, "grows to train")
+        assert len(job.workers["rollout"]) == 1  # only two pods were free
+        first = job.workers["rollout"][0]
+        short = _wait(lambda: (r := scheduler.get("short")).terminal and r, 300, "short's end")
+        assert short.phase == "SUCCEEDED", short.reason
+        freed_at = time.monotonic()
+        job = _wait(lambda: (r := scheduler.get("grows")).terminal
+                    or len(r.workers.get("rollout", [])) == 2 and r, 120, "grows to grow")
+        assert job.phase == "RUNNING", job.reason
+        joined = next(n for n in job.workers["rollout"] if n != first)
+        assert joined in short.workers["trainer"] + short.workers["rollout"]
+        # The trainer publishes over the larger group: a step trained with two engines.
+        _wait(lambda: any(r.get("rollout_engines") == 2
+                          for r in scheduler.metrics("grows", 0, 10_000)), 120,
+              "a step with two engines")
+        freed_to_joined_s = round(time.monotonic() - freed_at, 1)
+        from reflow.rollout.client import GrpcRolloutClient
+
+        engine = GrpcRolloutClient(_pod_address(cluster, api, joined))
+        _wait(lambda: engine.stats("grows").finished_samples_total > 0, 120,
+              "the joined engine to generate")
+        assert engine.stats("grows").policy_version > 0  # it loaded trained weights
+        engine.close()
+
+        # A job that needs two pods finds one free: grows gives its last engine back.
+        waited_from = time.monotonic()
+        scheduler.submit(spec("next", 4, 1), job_id="next")
+        nxt = _wait(lambda: (r := scheduler.get("next")).terminal and r, 300, "next's end")
+        assert nxt.phase == "SUCCEEDED", nxt.reason
+        assert joined in nxt.workers["trainer"] + nxt.workers["rollout"]
+        waited_s = round(nxt.started_at - (time.time() - (time.monotonic() - waited_from)), 1)
+        events = [json.loads(line) for line in
+                  (tmp_path / "grows" / "scheduler_events.jsonl").read_text().splitlines()]
+        kinds = [e["event"] for e in events]
+        assert kinds.count("rollout_worker_joined") >= 1, kinds
+        leaving = [e for e in events if e["event"] == "rollout_worker_leaving"]
+        assert leaving and leaving[0]["for_job"] == "next", leaving
+        assert "rollout_worker_given_back" in kinds
+        at = scheduler.get("grows").step
+        _wait(lambda: scheduler.get("grows").step >= at + 2, 120, "grows to train on")
+        stopped = scheduler.stop("grows")
+        assert stopped.phase == "STOPPED", stopped.reason
+        records = scheduler.metrics("grows", 0, 10_000)
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        versions = [r["policy_version"] for r in records]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions)
+        last = records[-1]
+        assert last["put_samples_total"] == (last["trained_unused_samples_total"]
+                                             + last["evicted_unused_samples_total"]
+                                             + last["unused_pool_samples"]
+                                             + last["leased_samples"]), last
+        print(json.dumps({"freed_pod_to_step_with_it_s": freed_to_joined_s,
+                          "waiting_job_placed_after_s": waited_s}))
+        _wait(lambda: _all_idle(api), 90, "the pods released")
+    finally:
+        scheduler.shutdown()
+
+
+def _pod_address(cluster, api, name: str) -> str:
+    return f"{api.get('pods', NAMESPACE, name)['status']['podIP']}:{cluster['port']}"

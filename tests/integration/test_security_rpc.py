@@ -269,10 +269,10 @@ def test_weight_sync_rpcs_are_checked_against_the_jobs_group(replay, rollout, ti
     code, details = _code(lambda: resync(9))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "next version (8)" in details
 
-    # A new place only ever shrinks the group (a lost worker's engine left it).
+    # A rank never rises (engines join after the last one, leave from anywhere).
     place = lambda **f: stub.SetSyncPlace(rollout_pb2.SetSyncPlaceRequest(  # noqa: E731
         **{"job_id": JOB, **f}), timeout=10)
-    for fields, named in [({"rank": 1, "world_size": 4}, "not a shrink"),
+    for fields, named in [({"rank": 2, "world_size": 4}, "does not follow"),
                           ({"rank": 0, "world_size": 2}, "rank"),
                           ({"rank": 1, "world_size": 1}, "does not fit"),
                           ({"job_id": "other-job", "rank": 1, "world_size": 2}, "not running")]:

@@ -310,15 +310,20 @@ def test_a_loss_below_the_configured_minimum_fails_the_job_instead():
         parse_job_spec({"model": {"path": "/m"}, "cluster": {"min_workers": 3}})
 
 
-def test_a_rollout_worker_s_sync_place_only_shrinks():
+def test_a_rollout_worker_s_sync_place_falls_or_grows_after_it_never_rises():
     spec = _spec(workers=3, trainer_workers=1)
     worker = RolloutWorker("j", spec, lambda: StaggeredEngine(0.02),
                            RepeatTask(8, 3, context=TaskContext(seed=1)), Budget(),
                            encode=lambda text: [1, 2], decode=lambda ids: "a",
                            weight_sync=(2, 3, "127.0.0.1"))
     worker.set_sync_place(2, 3)  # a retry of the place it has
-    with pytest.raises(ValueError, match="not a shrink"):
-        worker.set_sync_place(2, 4)
+    with pytest.raises(ValueError, match="does not follow"):
+        worker.set_sync_place(3, 4)  # a rank that rises
+    with pytest.raises(ValueError, match="does not follow"):
+        worker.set_sync_place(1, 3)  # an engine below it left, but the group did not shrink
+    worker.set_sync_place(2, 4)  # an engine joined after it
+    assert (worker.sync_rank, worker.sync_world_size) == (2, 4)
+    worker.set_sync_place(2, 3)  # and was given back
     with pytest.raises(ValueError, match="rank: 0"):
         worker.set_sync_place(0, 2)
     with pytest.raises(ValueError, match="rank: 2 .* does not fit"):

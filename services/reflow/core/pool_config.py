@@ -81,6 +81,25 @@ class ClusterConfig(_Section):
         "cluster.restart_backoff_max_s. A first restart is immediate.")
     restart_backoff_max_s: float = Field(default=60.0, ge=0, le=3600,
                                          description="The longest restart backoff, seconds.")
+    min_rollout_workers: int = Field(
+        default=1, ge=1, le=4095,
+        description="A fixed-role job with cluster.max_rollout_workers: the rollout workers "
+        "it needs to start, and keeps while other jobs wait for workers.")
+    max_rollout_workers: int | None = Field(
+        default=None, ge=1, le=4095,
+        description="A fixed-role job's range of rollout workers, up to this many: it starts "
+        "with what is free (at least cluster.min_rollout_workers), grows into workers freed "
+        "while it runs (each new engine joins the weight-sync group at the next sync) and "
+        "gives workers back, down to the minimum, while another job waits for them. None: "
+        "the backend's fixed share (Kubernetes: every free pod up to the operator's "
+        "REFLOW_MAX_ROLLOUT_WORKERS; locally one), never resized.")
+
+    @property
+    def rollout_range(self) -> tuple[int, int] | None:
+        """(min, max) rollout workers of a resizable fixed-role job, else None."""
+        if self.max_rollout_workers is None:
+            return None
+        return self.min_rollout_workers, self.max_rollout_workers
 
     def restart_budget(self) -> RestartBudget:
         """The crash-loop detector these fields describe (core/restart_budget.py)."""
@@ -95,7 +114,19 @@ class ClusterConfig(_Section):
                 raise ValueError("cluster.flips, cluster.trainer_workers and "
                                  "cluster.min_workers need cluster.workers (an elastic pool "
                                  "of at least 2 workers)")
+            if self.max_rollout_workers is None and self.min_rollout_workers != 1:
+                raise ValueError("cluster.min_rollout_workers needs "
+                                 "cluster.max_rollout_workers (the top of the range)")
+            if (self.max_rollout_workers is not None
+                    and self.min_rollout_workers > self.max_rollout_workers):
+                raise ValueError(f"cluster.min_rollout_workers ({self.min_rollout_workers}) "
+                                 "must be at most cluster.max_rollout_workers "
+                                 f"({self.max_rollout_workers})")
             return self
+        if self.max_rollout_workers is not None or self.min_rollout_workers != 1:
+            raise ValueError("cluster.min_rollout_workers and cluster.max_rollout_workers are "
+                             "for fixed-role jobs; an elastic job (cluster.workers) moves "
+                             "its workers between roles instead")
         if self.min_workers > self.workers:
             raise ValueError(f"cluster.min_workers ({self.min_workers}) must be at most "
                              f"cluster.workers ({self.workers})")

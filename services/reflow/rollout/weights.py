@@ -45,11 +45,12 @@ class WeightSyncMixin:
 
     def set_sync_place(self, rank: int, world_size: int, trainer_host: str = "") -> None:
         """This worker's place in the job's weight-sync group from now on (paper
-        §4.1 step 4's rank plan over the engines still in the job): another
-        worker of the job was lost and the group shrinks. The group set up now
-        keeps its ranks; the trainer's next one, which it builds once its publish
-        to the lost engine failed, is checked against this place. Only ever a
-        smaller group: no engine joins a running job's group this way.
+        §4.1 step 4's rank plan over the engines in the job): another worker of
+        the job was lost or given back and the group shrinks (this engine's rank
+        falls by the engines lost below it), or a new engine joins after the last
+        one and the group grows (the rank stays). The group set up now keeps its
+        ranks; the trainer's next one, which it builds at its next publish, is
+        checked against this place. A rank never rises: engines join at the end.
         `trainer_host`: the trainer came back at another IP (its pod recreated),
         and its next group is set up there; empty leaves it (and rank and
         world_size 0 leave the place)."""
@@ -67,12 +68,15 @@ class WeightSyncMixin:
                 raise ValueError(f"rank: {rank} with tensor_parallel_size {tp} does not fit in "
                                  f"world_size {world_size}; need 1 <= rank and rank + "
                                  "tensor_parallel_size <= world_size")
-            if world_size >= self.sync_world_size or rank > self.sync_rank:
-                raise ValueError(f"rank/world_size: {rank}/{world_size} is not a shrink of this "
+            if rank > self.sync_rank or (rank < self.sync_rank
+                                         and world_size >= self.sync_world_size):
+                raise ValueError(f"rank/world_size: {rank}/{world_size} does not follow this "
                                  f"worker's place {self.sync_rank}/{self.sync_world_size}; a "
-                                 "group only loses engines while a job runs")
-            logger.warning("job %s: weight-sync place %d/%d -> %d/%d (a worker was lost)",
-                           self.job_id, self.sync_rank, self.sync_world_size, rank, world_size)
+                                 "rank only falls, as engines below it leave, and new engines "
+                                 "join after the last")
+            logger.warning("job %s: weight-sync place %d/%d -> %d/%d (the job's engines "
+                           "changed)", self.job_id, self.sync_rank, self.sync_world_size, rank,
+                           world_size)
             self.sync_rank, self.sync_world_size = rank, world_size
 
     def init_weight_sync(self, spec: WeightSyncSpec, timeout_s: float = 600.0) -> None:

@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from reflow.core.restart_budget import CrashLoop
 from reflow.procs import free_port
@@ -353,18 +354,24 @@ class GroupMembership:
 
     def set_engines(self, addresses: list[str], new_client=None) -> None:
         """The rollout engines from now on, in weight-sync rank order: those the job
-        started with, less a lost worker's (it leaves), or with a new address where
-        a lost one's was (an idle pod took its place, its engine started at that
-        rank by the scheduler; `new_client(address)` makes its client). Applied
-        on the training thread (`_apply_engines`); the next publish builds a
-        weight-sync group over the new set."""
-        known = {c.address for c in self.rollouts}
-        joining = [a for a in addresses if a not in known]
+        has, less any that left (a lost worker's, or one given back to another
+        job), with a new address where a lost one's was (an idle pod took its
+        place) or new ones after the last (the job grew into free workers); the
+        scheduler started each new engine at its rank. `new_client(address)` makes
+        a new engine's client. Applied on the training thread (`_apply_engines`);
+        the next publish builds a weight-sync group over the new set and sends it
+        the current version whole."""
+        known = [c.address for c in self.rollouts]
         if len(set(addresses)) != len(addresses):
             raise ValueError("rollout_addresses: an engine is listed twice")
-        if joining and (new_client is None or len(addresses) > len(self.rollouts)):
+        kept = [a for a in addresses if a in known]
+        if kept != [a for a in known if a in kept]:
+            raise ValueError("rollout_addresses: the job's engines keep their order (a rank "
+                             "only falls, as engines below it leave)")
+        joining = [a for a in addresses if a not in known]
+        if joining and new_client is None:
             raise ValueError(f"rollout_addresses: {joining[0][:80]!r} is not an engine of this "
-                             "job; a new engine only takes a lost one's place")
+                             "job, and this trainer cannot reach new ones")
         with self._membership_lock:
             self._pending_engines = (list(addresses), new_client)
 
@@ -386,9 +393,19 @@ class GroupMembership:
             self.retired_engines.append(address)
         # The group built over the old engine set cannot carry the next version.
         self._engines_changed = True
-        if joined:
-            logger.warning("job %s: rollout engines %s took the places of %s", self.job_id,
-                           ", ".join(joined), ", ".join(gone))
-            return
-        logger.warning("job %s: rollout engines %s left the job; %d remain", self.job_id,
-                       ", ".join(gone), len(self.rollouts))
+        self._fit_thread_pools()
+        logger.warning("job %s: rollout engines now %d: %s joined, %s left", self.job_id,
+                       len(self.rollouts), ", ".join(joined) or "none", ", ".join(gone) or "none")
+
+    def _fit_thread_pools(self) -> None:
+        """A publish runs every engine's update call beside the broadcast, each on a
+        thread of `_pool`: with fewer threads than engines plus one, the broadcast
+        would queue behind updates that wait for it. A job that grew gets larger
+        pools (the old ones finish what they run)."""
+        need = len(self.rollouts) + 1
+        for name, prefix in (("_pool", "wsync"), ("_check_pool", "sync-check")):
+            pool = getattr(self, name)
+            if pool._max_workers < need:
+                setattr(self, name, ThreadPoolExecutor(max_workers=need,
+                                                       thread_name_prefix=prefix))
+                pool.shutdown(wait=False)

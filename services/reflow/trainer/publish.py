@@ -219,11 +219,12 @@ class WeightPublisher:
         """`_publish`, and when a rollout worker's update fails, rebuild the group
         once the job's workers run again and publish as a resync (bounded by
         cluster.max_restarts within cluster.restart_window_s). Engines that left the job since the last
-        publish (a lost worker's, trainer/membership.py) take a rebuild first."""
+        publish (a lost worker's, one given back) or joined it (a replacement, a job that
+        grew) take a rebuild first (trainer/membership.py set_engines)."""
         self._apply_engines()
         if self._engines_changed:
-            return self._rebuild_weight_sync(f"engines {', '.join(self.retired_engines)} left "
-                                             "the job", counted=False)
+            return self._rebuild_weight_sync("the job's rollout engines changed",
+                                             counted=False)
         try:
             return self._publish()
         except WeightSyncMismatch:

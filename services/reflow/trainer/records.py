@@ -83,6 +83,7 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         # loss (its step trained again), and lost workers' engines that left.
         "trainer_group_breaks": loop.group_failures,
         "retired_engines": len(loop.retired_engines),
+        "rollout_engines": len(loop.rollouts),
         "generation_tokens_per_s": generated_tokens / step_s if step_s > 0 else 0.0,
         "fresh_samples": fresh,
         "stale_samples": len(trajs) - fresh - replayed,

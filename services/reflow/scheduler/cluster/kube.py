@@ -45,6 +45,7 @@ from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARG
                                              KubePlacement, NotLeader, PodClaim, PodNotInJob,
                                              is_conflict, pod_ready, pod_restarts,
                                              worker_address)
+from reflow.scheduler.cluster import kube_restart
 from reflow.scheduler.cluster.kube_restart import wait_and_reclaim
 from reflow.scheduler.cluster.local import ServiceLog
 from reflow.scheduler.cluster.worker_calls import is_busy, stop_and_wait_idle, worker_status
@@ -120,8 +121,10 @@ class KubernetesBackend:
     supports_elastic = True
 
     def place(self, job_id: str, run_dir: Path, colocated: bool = False,
-              roles: list[str] | None = None) -> KubePlacement:
-        """Claim free, idle workers for `job_id`: one trainer and the rest rollout, or
+              roles: list[str] | None = None,
+              rollout_range: tuple[int, int] | None = None) -> KubePlacement:
+        """Claim free, idle workers for `job_id`: one trainer and the rest rollout
+        (`rollout_range`: at least its min, at most its max of them), or
         for an elastic job (`roles`: worker i's initial role, worker 0 the trainer
         leader) exactly len(roles) pods labelled with those roles, whose roles then
         move with `flip_role`. `colocated` (sync mode) is not honoured here: every
@@ -131,7 +134,7 @@ class KubernetesBackend:
         s = self.settings
         self.pod_watch.start()
         try:
-            placement = self._choose_and_claim(job_id, roles)
+            placement = self._choose_and_claim(job_id, roles, rollout_range)
         except ApiUnavailable as err:
             raise NoCapacity(f"job {job_id}: the Kubernetes API is unavailable ({err}); "
                              "trying again") from None
@@ -144,9 +147,13 @@ class KubernetesBackend:
         logger.info("job %s placed on %s", job_id, placement.workers)
         return placement
 
-    def _choose_and_claim(self, job_id: str, roles: list[str] | None = None) -> KubePlacement:
+    def _choose_and_claim(self, job_id: str, roles: list[str] | None = None,
+                          rollout_range: tuple[int, int] | None = None) -> KubePlacement:
         s = self.settings
-        need = len(roles) if roles else 2
+        low, high = rollout_range or (1, s.max_rollout_workers)  # 0: every free worker
+        if rollout_range and s.max_rollout_workers:
+            high = max(low, min(high, s.max_rollout_workers))
+        need = len(roles) if roles else 1 + low
         for attempt in range(s.claim_attempts):
             free = [p for p in self.free_workers(job_id) if self._worker_idle(p)]
             if len(free) < need:
@@ -155,8 +162,8 @@ class KubernetesBackend:
                     f"({s.worker_selector}) and {len(free)} are free; scale the workers "
                     "(worker.replicas) or wait for a job to end")
             trainer, rollouts = free[0], free[1:need] if roles else free[1:]
-            if s.max_rollout_workers and not roles:
-                rollouts = rollouts[: s.max_rollout_workers]
+            if high and not roles:
+                rollouts = rollouts[:high]
             placement = self._claim_all(job_id, trainer, rollouts, roles)
             if placement is not None:
                 return placement
@@ -401,6 +408,17 @@ class KubernetesBackend:
         `name`'s place. TimeoutError after `replace_timeout_s`; PodAddressChanged
         when it came back elsewhere."""
         return wait_and_reclaim(self, placement, name)
+
+    def claim_rollout(self, placement: KubePlacement) -> str | None:
+        """A free pod joins the job as its next rollout worker; its address, or None."""
+        return kube_restart.claim_rollout(self, placement)
+
+    def detach_rollout(self, placement: KubePlacement, address: str):
+        """Rollout worker `address` leaves the placement; `release_detached` frees it."""
+        return kube_restart.detach_rollout(placement, address)
+
+    def release_detached(self, placement: KubePlacement, detached) -> None:
+        kube_restart.release_detached(self, placement, detached)
 
     def adopt(self, job_id: str) -> KubePlacement | None:
         """The running job's placement from its pods, for a new scheduler

@@ -14,7 +14,9 @@ replaced by an idle worker pod, if one is free (`claim_replacement`): the new
 pod takes the lost one's place in the placement, and its engine the lost
 engine's rank in the weight-sync group (the group keeps its shape), so the
 trainer and the dispatcher swap one address for another. A trainer pod is
-always waited for: its pod holds the job's trainer address.
+always waited for: its pod holds the job's trainer address. A job with a range
+of rollout workers takes free pods in and gives them back the same way
+(`claim_rollout`, `detach_rollout`, `release_detached`; jobcontrol/resize.py).
 
 Workers are addressed by their DNS names under the StatefulSet's headless
 Service (kube_pods.worker_address), so a pod recreated at a new IP is the same
@@ -94,30 +96,79 @@ def claim_replacement(backend, placement: KubePlacement, lost: str) -> str | Non
     takes the lost engine's rank in the weight-sync group. None when no pod is
     free (the wait for the lost one goes on) or every free one was taken first."""
     claim = placement.pods[lost]
+    taken = _claim_free(backend, placement, claim.role)
+    if taken is None:
+        return None
+    name, new_claim = taken
+    # Replaced, never mutated: other threads read these.
+    placement.rollout_addresses = [new_claim.address if a == claim.address else a
+                                   for a in placement.rollout_addresses]
+    pods = dict(placement.pods)
+    del pods[lost]
+    pods[name] = new_claim
+    placement.pods = pods
+    logger.warning("job %s: pod %s did not come back within %.0f s; idle pod %s takes "
+                   "its place (%s)", placement.job_id, lost,
+                   backend.settings.replace_with_idle_s, name, new_claim.address)
+    return name
+
+
+def claim_rollout(backend, placement: KubePlacement) -> str | None:
+    """A free worker pod joins the job as its next rollout worker (after the
+    last; jobcontrol/resize.py): its address, or None when no pod is free."""
+    taken = _claim_free(backend, placement, "rollout")
+    if taken is None:
+        return None
+    name, claim = taken
+    placement.rollout_addresses = [*placement.rollout_addresses, claim.address]
+    placement.pods = {**placement.pods, name: claim}
+    logger.info("job %s: pod %s joins as rollout worker %d (%s)", placement.job_id, name,
+                len(placement.rollout_addresses) - 1, claim.address)
+    return claim.address
+
+
+def detach_rollout(placement: KubePlacement, address: str) -> tuple[str, PodClaim]:
+    """Rollout worker `address` leaves the job's placement (it is given back): no
+    longer watched nor restarted. Returns what `release_detached` releases."""
+    name = next(n for n, c in placement.pods.items()
+                if c.address == address and c.role == "rollout")
+    claim = placement.pods[name]
+    placement.pods = {n: c for n, c in placement.pods.items() if n != name}
+    placement.rollout_addresses = [a for a in placement.rollout_addresses if a != address]
+    return name, claim
+
+
+def release_detached(backend, placement: KubePlacement, detached: tuple[str, PodClaim]) -> None:
+    """Stop the job on a detached pod's worker, wait for it to report idle, and
+    label the pod idle again (only if it still carries the job)."""
+    name, claim = detached
+    if not backend._stop_and_wait_idle(name, claim.address, placement.job_id):
+        logger.warning("worker %s did not report idle after leaving job %s; it is checked "
+                       "again before any other job gets it", name, placement.job_id)
+    backend._unlabel(name, placement.job_id, claim.uid)
+
+
+def _claim_free(backend, placement: KubePlacement, role: str) -> tuple[str, PodClaim] | None:
+    """Label the first free, idle worker pod with the job and `role` (preconditioned:
+    a pod another placement took first is skipped) once its worker is healthy."""
     for pod in backend.free_workers():
         if not backend._worker_idle(pod):
             continue
         try:
-            backend._patch_labels(pod.metadata.name, claim.role, placement.job_id,
+            backend._patch_labels(pod.metadata.name, role, placement.job_id,
                                   pod.metadata.resource_version)
         except Exception as err:
             if is_conflict(err):
                 continue  # another placement took it: the next one
             raise
         address = worker_address(pod, backend.settings)
-        rpc.wait_healthy(address, backend.settings.health_timeout_s, role="worker")
-        # Replaced, never mutated: other threads read these.
-        placement.rollout_addresses = [address if a == claim.address else a
-                                       for a in placement.rollout_addresses]
-        pods = dict(placement.pods)
-        del pods[lost]
-        pods[pod.metadata.name] = PodClaim(claim.role, pod.metadata.uid, pod_restarts(pod),
-                                           address, pod.status.pod_ip)
-        placement.pods = pods
-        logger.warning("job %s: pod %s did not come back within %.0f s; idle pod %s takes "
-                       "its place (%s)", placement.job_id, lost,
-                       backend.settings.replace_with_idle_s, pod.metadata.name, address)
-        return pod.metadata.name
+        claim = PodClaim(role, pod.metadata.uid, pod_restarts(pod), address, pod.status.pod_ip)
+        try:
+            rpc.wait_healthy(address, backend.settings.health_timeout_s, role="worker")
+        except Exception:
+            backend._unlabel(pod.metadata.name, placement.job_id, claim.uid)
+            raise
+        return pod.metadata.name, claim
     return None
 
 

@@ -14,11 +14,13 @@ import json
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 import subprocess  # nosec B404 # only the Popen type; procs.spawn starts the processes
 
 from reflow import procs, redis_acl, rpc, rpcauth
+from reflow.core.errors import NoCapacity
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class Placement:
     launches: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     log_dir: Path | None = None
     colocated: bool = False
+    job_id: str = ""
 
     @property
     def trainer_host(self) -> str:
@@ -78,10 +81,40 @@ class Placement:
 
 
 class LocalBackend:
-    def __init__(self, redis_url: str, health_timeout_s: float = 120.0) -> None:
+    def __init__(self, redis_url: str, health_timeout_s: float = 120.0,
+                 max_workers: int = 0) -> None:
+        """`max_workers`: rollout and trainer processes this machine runs for all
+        jobs together (REFLOW_LOCAL_MAX_WORKERS; 0: no limit). A job that does not
+        fit waits PENDING, as on a cluster with too few free workers."""
         # The URL the replay buffers it starts log in with (the buffer's Redis user).
         self.redis_url = redis_url
         self.health_timeout_s = health_timeout_s
+        self.max_workers = max_workers
+        self._in_use: dict[str, int] = {}  # job id -> worker processes it holds
+        self._lock = threading.Lock()
+
+    def _take(self, job_id: str, count: int, at_least: int | None = None) -> int:
+        """Reserve worker processes for `job_id`: `count`, or as many as are free down
+        to `at_least`; NoCapacity below that. Returns the number reserved."""
+        with self._lock:
+            free = (self.max_workers - sum(self._in_use.values()) if self.max_workers
+                    else count)
+            need = count if at_least is None else at_least
+            if free < need:
+                raise NoCapacity(f"job {job_id} needs {need} worker processes and {max(free, 0)} "
+                                 f"of REFLOW_LOCAL_MAX_WORKERS={self.max_workers} are free; "
+                                 "wait for a job to end")
+            took = min(count, free)
+            self._in_use[job_id] = self._in_use.get(job_id, 0) + took
+            return took
+
+    def _give(self, job_id: str, count: int) -> None:
+        with self._lock:
+            left = self._in_use.get(job_id, 0) - count
+            if left > 0:
+                self._in_use[job_id] = left
+            else:
+                self._in_use.pop(job_id, None)
 
     def _serve(self, service: str, port: int, metrics_port: int, log_dir: Path,
                colocated: bool = False, log_name: str = ""):
@@ -133,16 +166,23 @@ class LocalBackend:
         return {}
 
     def place(self, job_id: str, run_dir: Path, colocated: bool = False,
-              roles: list[str] | None = None) -> Placement:
-        """Start the job's services: the replay buffer, and either one rollout and one
-        trainer process or (`roles`, an elastic job) an AsyncHybrid worker per role.
-        Each process gets a gRPC and a metrics port, listed in endpoints.json."""
+              roles: list[str] | None = None,
+              rollout_range: tuple[int, int] | None = None) -> Placement:
+        """Start the job's services: the replay buffer, and either rollout processes
+        (one, or as many of `rollout_range` as REFLOW_LOCAL_MAX_WORKERS leaves room
+        for) and one trainer process, or (`roles`, an elastic job) an AsyncHybrid
+        worker per role. Each process gets a gRPC and a metrics port, listed in
+        endpoints.json."""
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        low, high = rollout_range or (1, 1)
+        workers = self._take(job_id, len(roles) if roles else 1 + high,
+                             at_least=len(roles) if roles else 1 + low)
         # process name -> the service it runs
         services = {"replay": "replay"}
         services.update({f"worker-{i}": "worker" for i in range(len(roles))} if roles
-                        else {"rollout": "rollout", "trainer": "trainer"})
+                        else {**{_rollout_name(i): "rollout" for i in range(workers - 1)},
+                              "trainer": "trainer"})
         allocated = procs.free_ports(2 * len(services))
         ports = dict(zip(services, allocated))
         metrics_ports = dict(zip(services, allocated[len(services):]))
@@ -153,7 +193,10 @@ class LocalBackend:
                                   trainer_address=workers[0], worker_addresses=workers,
                                   worker_names=[f"worker-{i}" for i in range(len(roles))])
         else:
-            placement = Placement(address["replay"], [address["rollout"]], address["trainer"])
+            placement = Placement(address["replay"],
+                                  [address[_rollout_name(i)] for i in range(workers - 1)],
+                                  address["trainer"])
+        placement.job_id = job_id
         record_endpoints(run_dir, {
             name: {"grpc": address[name], "metrics": f"127.0.0.1:{metrics_ports[name]}"}
             for name in services})
@@ -166,7 +209,7 @@ class LocalBackend:
                                                         log_dir, colocated, log_name=name)
             for name in services:
                 rpc.wait_healthy(address[name], self.health_timeout_s, role=services[name])
-        except Exception:
+        except BaseException:
             self.release(placement)
             raise
         logger.info("job %s placed: %s", job_id,
@@ -193,6 +236,48 @@ class LocalBackend:
                          alive=lambda: proc.poll() is None)
         logger.info("%s restarted (pid %d)", name, placement.processes[name].pid)
 
+    def claim_rollout(self, placement: Placement) -> str | None:
+        """A new rollout process for the job, its next rollout worker (it grew;
+        jobcontrol/resize.py), if REFLOW_LOCAL_MAX_WORKERS leaves room: its address,
+        or None."""
+        try:
+            self._take(placement.job_id, 1)
+        except NoCapacity:
+            return None
+        name = next(_rollout_name(i) for i in range(len(placement.launches) + 1)
+                    if _rollout_name(i) not in placement.launches)
+        port, metrics_port = procs.free_ports(2)
+        address = f"127.0.0.1:{port}"
+        placement.launches[name] = ("rollout", port, metrics_port)
+        try:
+            proc = placement.processes[name] = self._serve(
+                "rollout", port, metrics_port, placement.log_dir, placement.colocated,
+                log_name=name)
+            rpc.wait_healthy(address, self.health_timeout_s, role="rollout",
+                             alive=lambda: proc.poll() is None)
+        except BaseException:
+            self.release_detached(placement, self.detach_rollout(placement, address))
+            raise
+        placement.rollout_addresses = [*placement.rollout_addresses, address]
+        if placement.log_dir is not None:
+            record_endpoints(placement.log_dir.parent, {name: {
+                "grpc": address, "metrics": f"127.0.0.1:{metrics_port}"}})
+        return address
+
+    def detach_rollout(self, placement: Placement, address: str):
+        """Rollout process `address` leaves the job (given back): no longer watched nor
+        restarted. Returns what `release_detached` stops."""
+        name = next(n for n, (service, port, _) in placement.launches.items()
+                    if service == "rollout" and f"127.0.0.1:{port}" == address)
+        placement.launches = {n: v for n, v in placement.launches.items() if n != name}
+        placement.rollout_addresses = [a for a in placement.rollout_addresses if a != address]
+        return placement.processes.pop(name, None)
+
+    def release_detached(self, placement: Placement, detached) -> None:
+        if detached is not None:
+            procs.stop_processes([detached], timeout_s=15)
+        self._give(placement.job_id, 1)
+
     def retire(self, placement: Placement, name: str) -> None:
         """Process `name` of an elastic job died and the job goes on without it: what
         is left of it (children it spawned) is taken down, and it is no longer
@@ -209,8 +294,11 @@ class LocalBackend:
         while the job still read RUNNING (its phase is saved after this returns)."""
         clients = [p for name, p in placement.processes.items() if name != "replay"]
         buffer = [p for name, p in placement.processes.items() if name == "replay"]
-        procs.stop_processes(clients, timeout_s=15)
-        procs.stop_processes(buffer, timeout_s=15)
+        try:
+            procs.stop_processes(clients, timeout_s=15)
+            procs.stop_processes(buffer, timeout_s=15)
+        finally:
+            self._give(placement.job_id, self._in_use.get(placement.job_id, 0))
 
     def close(self) -> None:
         """Nothing to stop: placements end with their jobs."""
@@ -257,3 +345,8 @@ class LocalBackend:
                 data = f.read(tail_bytes)
             out.append(ServiceLog(service, data.decode("utf-8", errors="replace"), size > tail_bytes))
         return out
+
+
+def _rollout_name(i: int) -> str:
+    """Local rollout process i's name: `rollout`, then `rollout-1`, `rollout-2`, ..."""
+    return "rollout" if i == 0 else f"rollout-{i}"

@@ -131,6 +131,9 @@ class Dispatcher(WorkerMembership):
         self.loads = {name: WorkerLoad(name, initial_cap, routable=False) for name in workers}
         self._standby = set(standby or ())
         self._unready = set(workers) - self._standby
+        # A worker that joined mid-job: routed to once its engine runs this version.
+        self._min_version: dict[str, int] = {}
+        self._events_epoch: dict[str, int] = {}
         self._ready_checked = -READY_POLL_S
         self._poll_s = BUDGET_POLL_S
         # Whether the last round ended with no group in hand because the buffer
@@ -278,7 +281,8 @@ class Dispatcher(WorkerMembership):
             except Exception as err:  # noqa: BLE001 - not up yet
                 logger.debug("job %s: %s not up yet: %s", self.job_id, name, err)
                 continue
-            if stats.state == "running":
+            if stats.state == "running" and (name not in self._min_version or
+                                             stats.policy_version >= self._min_version[name]):
                 with self._cond:
                     self._unready.discard(name)
                     self.loads[name].routable = True
@@ -429,7 +433,10 @@ class Dispatcher(WorkerMembership):
 
     def _event_loop(self, name: str) -> None:
         client, since, failures = self.clients[name], 0, 0
-        while not self._stop.is_set() and name not in self._retired:
+        # A worker given back and taken in again reads from a new thread (add_worker).
+        epoch = self._events_epoch.get(name, 0)
+        while (not self._stop.is_set() and name not in self._retired
+               and self._events_epoch.get(name, 0) == epoch):
             if name in self._events_restart:
                 with self._cond:
                     self._events_restart.discard(name)

@@ -1,7 +1,8 @@
 """Which rollout workers the dispatcher routes to, as the job's membership
 changes: an elastic pool's worker moving between roles (`set_standby`), a
-worker lost and restarted (`worker_lost`), lost for good (`worker_retired`), or
-replaced by another pod (`replace_worker`). A mixin of generation/dispatch.py's
+worker lost and restarted (`worker_lost`), lost for good or given back
+(`worker_retired`), replaced by another pod (`replace_worker`), or new
+(`add_worker`: the job grew into a free worker). A mixin of generation/dispatch.py's
 Dispatcher, whose state (`loads`, `clients`, `_groups`, `_cond`, ...) it
 changes under the dispatcher's lock; kept apart only for size."""
 
@@ -84,13 +85,40 @@ class WorkerMembership:
             self._unready.add(new_name)
             self._check_ready_soon()
             self._cond.notify_all()
-        thread = threading.Thread(target=self._guard, args=(self._event_loop, (new_name,)),
-                                  name=f"dispatch-{self.job_id[:20]}-events-{new_name}",
+        self._watch_events(new_name)
+        self.record({"event": "worker_replaced", "worker": name, "by": new_name,
+                     "groups_rerouted": rerouted})
+
+    def add_worker(self, name: str, client) -> None:
+        """`name` joins the job (it grew into a free worker): routed to once its engine
+        runs the version the buffer has now, which the trainer sends it whole at its
+        next publish; until then its samples would only be evicted as stale."""
+        with self._cond:
+            if name in self.loads and name not in self._retired:
+                raise ValueError(f"{name}: already a rollout worker of job {self.job_id}")
+            # One given back earlier comes back as a new worker, read from the start.
+            self._retired.discard(name)
+            self._standby.discard(name)
+            self._events_epoch[name] = self._events_epoch.get(name, 0) + 1
+            # A worker's cap as the concurrency control left it on a peer (same kind of
+            # machine); the control moves it from there.
+            cap = max(w.cap for w in self.loads.values())
+            self.clients = {**self.clients, name: client}
+            self.loads = {**self.loads, name: WorkerLoad(name, cap, routable=False)}
+            self._min_version[name] = self.policy_version
+            self._unready.add(name)
+            self._check_ready_soon()
+            self._cond.notify_all()
+        self._watch_events(name)
+        self.record({"event": "worker_joined", "worker": name, "concurrency_cap": cap,
+                     "from_version": self.policy_version})
+
+    def _watch_events(self, name: str) -> None:
+        thread = threading.Thread(target=self._guard, args=(self._event_loop, (name,)),
+                                  name=f"dispatch-{self.job_id[:20]}-events-{name}",
                                   daemon=True)
         thread.start()
         self._threads.append(thread)
-        self.record({"event": "worker_replaced", "worker": name, "by": new_name,
-                     "groups_rerouted": rerouted})
 
     def inflight(self, name: str) -> int:
         """Samples the dispatcher holds out on `name` (routed, not yet ended)."""

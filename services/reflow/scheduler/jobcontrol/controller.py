@@ -134,12 +134,18 @@ class JobController:
         pods = getattr(self.placement, "pods", None)
         if pods and name in pods:
             return pods[name].role
+        launches = getattr(self.placement, "launches", None) or {}
+        if name in launches and launches[name][0] == "rollout":
+            return "rollout"  # a job's second rollout process is `rollout-1`, ...
         return name
 
     def _address_of(self, name: str) -> str:
         pods = getattr(self.placement, "pods", None)
         if pods and name in pods:
             return pods[name].address
+        launches = getattr(self.placement, "launches", None) or {}
+        if name in launches:
+            return f"127.0.0.1:{launches[name][1]}"
         return self.placement.rollout_addresses[0]
 
     def _restart_buffer(self, code: int) -> None:

@@ -23,6 +23,9 @@ class PlacementQueue:
         self._arrivals = 0
         self._cond = threading.Condition()
         self._kicked = False
+        # Jobs that reached the head and found too few free workers: what a running
+        # job with a range of rollout workers gives back to (jobcontrol/resize.py).
+        self._short: set[str] = set()
 
     def join(self, job_id: str, created_at: float) -> None:
         """Queue `job_id` by its submission time (a job resumed after a scheduler
@@ -38,7 +41,18 @@ class PlacementQueue:
     def leave(self, job_id: str) -> None:
         with self._cond:
             self._order = [entry for entry in self._order if entry[2] != job_id]
+            self._short.discard(job_id)
             self._cond.notify_all()
+
+    def short_of_workers(self, job_id: str) -> None:
+        """`job_id` found too few free workers for its placement."""
+        with self._cond:
+            self._short.add(job_id)
+
+    def starved(self) -> list[str]:
+        """Queued jobs that found too few free workers, in queue order."""
+        with self._cond:
+            return [j for _, _, j in self._order if j in self._short]
 
     def waiting(self) -> list[str]:
         with self._cond:

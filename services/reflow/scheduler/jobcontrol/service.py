@@ -39,6 +39,7 @@ from reflow.scheduler.jobcontrol.jobs import LOG_SERVICES, JobRecord, JobStore
 from reflow.scheduler.cluster.local import Placement, ServiceLog
 from reflow.scheduler.jobcontrol.queue import PlacementQueue
 from reflow.scheduler.jobcontrol.recovery import JobRecovery
+from reflow.scheduler.jobcontrol.resize import RolloutResizer
 from reflow.trainer.client import GrpcTrainerClient
 from reflow.weightsync import RankPlan
 
@@ -260,6 +261,7 @@ class Scheduler(JobRecovery):
         newest committed checkpoint."""
         placement: Placement | None = adopted
         dispatcher: Dispatcher | None = None
+        resizer: RolloutResizer | None = None
         keep_running = False
         run_dir = Path(record.run_dir)
         try:
@@ -283,9 +285,13 @@ class Scheduler(JobRecovery):
             # Each rollout engine's place in the trainer's weight-sync group, as the
             # trainer will build it (weightsync.RankPlan).
             trainer_host = placement.trainer_host
-            plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
+
             def start_rollout(i: int) -> None:
-                # The trainer's host as of now: its pod may have come back elsewhere.
+                # Its place in the trainer's weight-sync group as the trainer will build
+                # it over the job's engines now (weightsync.RankPlan; a job with a range
+                # of rollout workers grows and shrinks), and the trainer's host as of
+                # now: its pod may have come back elsewhere.
+                plan = RankPlan.for_engines([spec.rollout.tensor_parallel_size] * len(rollouts))
                 rollouts[i].start_job(record.job_id, record.spec_json, placement.replay_address,
                                       plan.first_rank(i), plan.world_size,
                                       placement.trainer_host)
@@ -313,9 +319,13 @@ class Scheduler(JobRecovery):
                                    "workers": placement.workers})
             planner = planner_for(spec, len(placement.worker_addresses) or len(rollouts) + 1)
             feed = PlacementFeed(planner, dispatcher, pool) if planner is not None else None
+            if pool is None and RolloutResizer.wanted(spec, self.backend):
+                resizer = RolloutResizer(record, spec, self.backend, placement, dispatcher,
+                                         trainer, rollouts, start_rollout, GrpcRolloutClient,
+                                         self.queue, events=dispatcher.record)
             record.phase, record.reason = self._watch(record, placement, trainer, rollouts,
                                                       dispatcher, stop, feed, pool,
-                                                      start_rollout, replace_rollout)
+                                                      start_rollout, replace_rollout, resizer)
             # A handover leaves the job running only where its services outlive us.
             keep_running = record.phase == "RUNNING" and self._adoptable(pool)
         except Exception as err:  # noqa: BLE001 - the job fails, the scheduler lives on
@@ -326,6 +336,8 @@ class Scheduler(JobRecovery):
                 pool = self._pools.pop(record.job_id, None)
             if pool is not None:
                 pool.stop()
+            if resizer is not None and not keep_running:
+                resizer.release_leaving()
             if dispatcher is not None:
                 # Its ledger keeps what is in flight, for whoever watches the job next.
                 dispatcher.stop()
@@ -423,8 +435,13 @@ class Scheduler(JobRecovery):
                                  for i in range(spec.cluster.workers)]
                         return self.backend.place(record.job_id, run_dir,
                                                   colocated=spec.colocated, roles=roles)
+                    if spec.cluster.rollout_range is not None:
+                        return self.backend.place(record.job_id, run_dir,
+                                                  colocated=spec.colocated,
+                                                  rollout_range=spec.cluster.rollout_range)
                     return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
                 except NoCapacity as err:
+                    self.queue.short_of_workers(record.job_id)
                     if record.reason != str(err):
                         record.reason = str(err)
                         self.store.save(record)
@@ -454,15 +471,14 @@ class Scheduler(JobRecovery):
                rollouts: list[GrpcRolloutClient], dispatcher: Dispatcher,
                stop: threading.Event, feed: PlacementFeed | None = None,
                pool: ElasticPool | None = None, start_rollout=None,
-               replace_rollout=None) -> tuple[str, str]:
+               replace_rollout=None, resizer: RolloutResizer | None = None) -> tuple[str, str]:
         spec = JobSpec.model_validate_json(record.spec_json)
         controller = JobController(record, spec, self.store, self.backend, placement,
                                    dispatcher.replay, trainer, Path(record.run_dir),
                                    events=dispatcher.record, dispatcher=dispatcher,
                                    start_rollout=start_rollout, pool=pool,
                                    replace_rollout=replace_rollout)
-        rollout_polls = [ConsecutiveFailures(f"job {record.job_id}: rollout {c.address}",
-                                             MAX_POLL_FAILURES) for c in rollouts]
+        rollout_polls: dict[str, ConsecutiveFailures] = {}
         trainer_polls = ConsecutiveFailures(f"job {record.job_id}: trainer", MAX_POLL_FAILURES)
         while True:
             if stop.wait(POLL_INTERVAL_S):
@@ -481,9 +497,11 @@ class Scheduler(JobRecovery):
                     return "FAILED", f"{err}; see GET /v1/jobs/{record.job_id}/logs"
                 continue
             lost = pool.lost_addresses if pool is not None else set()
-            for client, polls in zip(rollouts, rollout_polls):
+            for client in list(rollouts):
                 if client.address in lost:
                     continue
+                polls = rollout_polls.setdefault(client.address, ConsecutiveFailures(
+                    f"job {record.job_id}: rollout {client.address}", MAX_POLL_FAILURES))
                 stats = polls.call(client.stats, record.job_id)
                 if stats is not None and stats.state == "failed":
                     return "FAILED", f"rollout: {stats.error}"
@@ -499,6 +517,11 @@ class Scheduler(JobRecovery):
                 pool.schedule(status.step)
                 record.workers = pool.by_role()
             self._update_progress(record, status)
+            if resizer is not None and status.state == "running":
+                resizer.tick(status.policy_version)
+                record.workers = placement.workers
+                if feed is not None:
+                    feed.resize(len(rollouts) + 1)
             if status.state == "succeeded":
                 return "SUCCEEDED", ""
             if status.state == "failed":

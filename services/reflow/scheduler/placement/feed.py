@@ -86,8 +86,20 @@ class PlacementFeed:
             m["rollout_blocked_ratio"] = window.rollout_blocked_ratio
             self._decide(window, m)
 
+    def resize(self, total_workers: int) -> None:
+        """The job's workers changed (a fixed-role job grew, or gave one back;
+        jobcontrol/resize.py): Algorithm 1 plans over the new pool from here, its
+        windows begun afresh."""
+        if total_workers != self.planner.total_workers:
+            self.planner = PlacementPlanner(self.planner.policy, total_workers)
+
     def _decide(self, window: WindowMeasurement, m: dict) -> None:
-        decision = self.planner.observe(window)
+        try:
+            decision = self.planner.observe(window)
+        except ValueError as err:
+            # A step trained before the pool shrank counts more workers than it has.
+            logger.warning("placement skipped step %s: %s", window.step, err)
+            return
         carried_out = False
         if decision.action == "rebalance":
             self.dispatcher.placement_recommendations[decision.reason] += 1

@@ -32,14 +32,19 @@ def kube():
         yield api.client(), api
 
 
-@pytest.fixture
-def worker_port():
-    """An idle worker (rollout + trainer services) on 127.0.0.1, behind every pod."""
+def _idle_worker(address: str):
+    """An idle worker (rollout + trainer services, as `reflow serve worker` hosts
+    them) at `address`: its server and port."""
     register_rollout = rollout_server.register(RolloutService())
     register_trainer = trainer_server.register(TrainerService())
-    server, port = rpc.make_server(
-        (rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
-        lambda s: (register_rollout(s), register_trainer(s)), "127.0.0.1:0")
+    return rpc.make_server((rollout_server.SERVICE_NAME, trainer_server.SERVICE_NAME),
+                           lambda s: (register_rollout(s), register_trainer(s)), address)
+
+
+@pytest.fixture
+def worker_port():
+    """An idle worker on 127.0.0.1, behind every pod."""
+    server, port = _idle_worker("127.0.0.1:0")
     yield port
     server.stop(0)
 
@@ -255,4 +260,57 @@ def test_pods_left_labelled_by_a_claim_cut_short_go_to_that_jobs_next_try(kube, 
     assert placement.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
     # Another job's pod is never taken.
     assert api.get("pods", "ml", "rl-worker-2")["metadata"]["labels"][JOB_LABEL] == "job-y"
+    backend.close()
+
+
+@pytest.fixture
+def any_loopback_port(monkeypatch):
+    """An idle worker answering on every loopback address (and to those names, as
+    a pod's worker to its DNS name), so that pods at 127.0.0.1x are distinct
+    workers for the backend."""
+    monkeypatch.setenv("REFLOW_ADVERTISE_HOSTS", ",".join(f"127.0.0.1{i}" for i in range(4)))
+    server, port = _idle_worker("0.0.0.0:0")  # nosec B104 # a test's loopback worker
+    yield port
+    server.stop(0)
+
+
+def test_a_range_job_claims_its_minimum_grows_and_gives_back_in_engine_order(
+        kube, any_loopback_port, tmp_path):
+    from reflow.scheduler.cluster.kube_pods import ROLLOUT_INDEX
+
+    api_client, api = kube
+    for i in range(4):
+        api.create(worker_pod(f"rl-worker-{i}", ip=f"127.0.0.1{i}"))
+    core = client.CoreV1Api(api_client)
+    backend = _backend(api_client, any_loopback_port)
+    index = lambda name: (core.read_namespaced_pod(name, "ml").metadata.annotations  # noqa: E731
+                          or {}).get(ROLLOUT_INDEX)
+    # Another job holds rl-worker-2 (a stale claim or a later scheduler's): the range
+    # job takes what is free, up to its maximum, and records each engine's index.
+    other = backend.place("other", tmp_path, rollout_range=(1, 1))
+    assert other.workers == {"trainer": ["rl-worker-0"], "rollout": ["rl-worker-1"]}
+    placement = backend.place("job-a", tmp_path, rollout_range=(1, 3))
+    assert placement.workers == {"trainer": ["rl-worker-2"], "rollout": ["rl-worker-3"]}
+    assert (index("rl-worker-2"), index("rl-worker-3")) == (None, "0")
+    with pytest.raises(NoCapacity):
+        backend.place("job-b", tmp_path, rollout_range=(1, 1))
+    assert backend.claim_rollout(placement) is None  # nothing free to grow into
+
+    # The other job ends: job-a grows into its pods, each after the last engine.
+    backend.release(other)
+    grown = [backend.claim_rollout(placement), backend.claim_rollout(placement)]
+    assert grown == ["127.0.0.10:%d" % any_loopback_port, "127.0.0.11:%d" % any_loopback_port]
+    assert placement.rollout_addresses == ["127.0.0.13:%d" % any_loopback_port, *grown]
+    assert (index("rl-worker-0"), index("rl-worker-1")) == ("1", "2")
+    assert _labels(core, "rl-worker-0")[JOB_LABEL] == "job-a"
+
+    # It gives the last engine back: the pod is idle again, its index gone, and the
+    # next job can have it.
+    detached = backend.detach_rollout(placement, grown[1])
+    assert "rl-worker-1" not in placement.pods and grown[1] not in placement.rollout_addresses
+    backend.release_detached(placement, detached)
+    assert _labels(core, "rl-worker-1")[ROLE_LABEL] == "idle"
+    assert JOB_LABEL not in _labels(core, "rl-worker-1") and index("rl-worker-1") is None
+    assert [p.metadata.name for p in backend.free_workers()] == ["rl-worker-1"]
+    backend.release(placement)
     backend.close()

@@ -28,7 +28,13 @@ class Conflict(Exception):
 
 
 class NoCapacity(RuntimeError):
-    """Not enough free workers for a job right now; it waits and retries."""
+    """Not enough free workers for a job right now; it waits and retries.
+    `short_of_workers`: too few are free (a running job with a range of rollout
+    workers gives some back); False when the cluster could not be asked."""
+
+    def __init__(self, message: str, short_of_workers: bool = True) -> None:
+        super().__init__(message)
+        self.short_of_workers = short_of_workers
 
 
 class FailedPrecondition(RuntimeError):

@@ -42,6 +42,7 @@ from reflow.scheduler.cluster.kube_settings import KubeSettings, parse_selector 
 from reflow.scheduler.cluster.kubeapi import ApiUnavailable, KubeCaller, PodWatch
 from reflow.scheduler.cluster.kube_adopt import adopt_placement
 from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, ROLES,  # noqa: F401
+                                             ROLLOUT_INDEX,
                                              KubePlacement, NotLeader, PodClaim, PodNotInJob,
                                              is_conflict, pod_ready, pod_restarts,
                                              worker_address)
@@ -137,7 +138,7 @@ class KubernetesBackend:
             placement = self._choose_and_claim(job_id, roles, rollout_range)
         except ApiUnavailable as err:
             raise NoCapacity(f"job {job_id}: the Kubernetes API is unavailable ({err}); "
-                             "trying again") from None
+                             "trying again", short_of_workers=False) from None
         try:
             for address in [placement.trainer_address, *placement.rollout_addresses]:
                 rpc.wait_healthy(address, s.health_timeout_s, role="worker")
@@ -170,7 +171,8 @@ class KubernetesBackend:
             # Someone else took one of these pods first: look again, a little later.
             time.sleep(0.1 * (attempt + 1) * (1 + random.random()))  # nosec B311 # jitter
         raise NoCapacity(f"job {job_id}: other placements took the free workers "
-                         f"{s.claim_attempts} times in a row; trying again")
+                         f"{s.claim_attempts} times in a row; trying again",
+                         short_of_workers=False)
 
     def _claim_all(self, job_id: str, trainer, rollouts: list,
                    roles: list[str] | None = None) -> KubePlacement | None:
@@ -187,9 +189,10 @@ class KubernetesBackend:
         )
         labelled = [(trainer, "trainer")] + [
             (p, roles[i] if roles else "rollout") for i, p in enumerate(rollouts, start=1)]
-        for pod, role in labelled:
+        for i, (pod, role) in enumerate(labelled):
             try:
-                self._patch_labels(pod.metadata.name, role, job_id, pod.metadata.resource_version)
+                self._patch_labels(pod.metadata.name, role, job_id, pod.metadata.resource_version,
+                                   rollout_index=None if roles or not i else i - 1)
             except Exception as err:
                 self._unlabel_all(placement)
                 if is_conflict(err):
@@ -210,12 +213,15 @@ class KubernetesBackend:
         return self.call(self.core.patch_namespaced_pod, pod_name, self.settings.namespace, body)
 
     def _patch_labels(self, pod_name: str, role: str, job_id: str | None,
-                      resource_version: str):
+                      resource_version: str, rollout_index: int | None = None):
         """Role and job in one preconditioned patch, so two placements can never claim
-        one pod. It also ends any role flip in flight: a target belongs to one flip."""
+        one pod. It also ends any role flip in flight: a target belongs to one flip.
+        `rollout_index`: a fixed-role job's rollout pod's engine index (its rank
+        order, which an adopting scheduler reads back); None removes it."""
         return self._patch(pod_name, resource_version,
                            labels={ROLE_LABEL: role, JOB_LABEL: job_id},
-                           annotations={ROLE_TARGET: None})
+                           annotations={ROLE_TARGET: None, ROLLOUT_INDEX: (
+                               None if rollout_index is None else str(rollout_index))})
 
     def _unlabel(self, pod_name: str, job_id: str, uid: str | None = None) -> bool:
         """Label the pod idle again, if it still carries `job_id` (and is the same pod):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from reflow.scheduler.cluster.kube_pods import (JOB_LABEL, ROLE_LABEL, ROLE_TARGET, KubePlacement,
-                                             PodClaim, pod_ready, pod_restarts,
+                                             PodClaim, pod_ready, pod_restarts, rollout_index,
                                              worker_address)
 from reflow.scheduler.cluster.worker_calls import job_states
 
@@ -56,8 +56,12 @@ def adopt_placement(backend, job_id: str) -> KubePlacement | None:
         placement.pods[name] = PodClaim(role, pod.metadata.uid, pod_restarts(pod), address,
                                         pod.status.pod_ip)
     trainers = placement.trainer_addresses
-    placement.rollout_addresses = [c.address for _, c in sorted(placement.pods.items())
-                                   if c.role == "rollout"]
+    # In engine order (the weight-sync group's ranks), as the pods record it: a job
+    # that replaced or took in a pod is not in pod-name order.
+    order = {p.metadata.name: (rollout_index(p), p.metadata.name) for p in pods}
+    placement.rollout_addresses = [placement.pods[n].address for n in
+                                   sorted(placement.pods, key=order.__getitem__)
+                                   if placement.pods[n].role == "rollout"]
     if len(trainers) != 1 or not placement.rollout_addresses:
         logger.info("job %s: pods %s hold %d trainer(s) and %d rollout worker(s): not adopted",
                     job_id, sorted(placement.pods), len(trainers),

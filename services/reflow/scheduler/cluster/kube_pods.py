@@ -24,6 +24,16 @@ JOB_LABEL = "reflow.io/job"
 # A role flip in flight: the role a pod is being moved to (phase one of flip_role).
 ROLE_TARGET = "reflow.io/role-target"
 ROLES = ("trainer", "rollout")
+# A fixed-role job's rollout pod: its engine's index in the job, which orders the
+# weight-sync group's ranks; a scheduler that adopts the job reads the order here.
+ROLLOUT_INDEX = "reflow.io/rollout-index"
+
+
+def rollout_index(pod) -> int:
+    """The pod's engine index in its job (ROLLOUT_INDEX); pods without one after
+    every pod with one."""
+    raw = (pod.metadata.annotations or {}).get(ROLLOUT_INDEX, "")
+    return int(raw) if raw.isdigit() and len(raw) < 6 else 1 << 20
 
 
 class NotLeader(RuntimeError):

@@ -96,7 +96,8 @@ def claim_replacement(backend, placement: KubePlacement, lost: str) -> str | Non
     takes the lost engine's rank in the weight-sync group. None when no pod is
     free (the wait for the lost one goes on) or every free one was taken first."""
     claim = placement.pods[lost]
-    taken = _claim_free(backend, placement, claim.role)
+    taken = _claim_free(backend, placement, claim.role,
+                        placement.rollout_addresses.index(claim.address))
     if taken is None:
         return None
     name, new_claim = taken
@@ -116,7 +117,7 @@ def claim_replacement(backend, placement: KubePlacement, lost: str) -> str | Non
 def claim_rollout(backend, placement: KubePlacement) -> str | None:
     """A free worker pod joins the job as its next rollout worker (after the
     last; jobcontrol/resize.py): its address, or None when no pod is free."""
-    taken = _claim_free(backend, placement, "rollout")
+    taken = _claim_free(backend, placement, "rollout", len(placement.rollout_addresses))
     if taken is None:
         return None
     name, claim = taken
@@ -148,15 +149,17 @@ def release_detached(backend, placement: KubePlacement, detached: tuple[str, Pod
     backend._unlabel(name, placement.job_id, claim.uid)
 
 
-def _claim_free(backend, placement: KubePlacement, role: str) -> tuple[str, PodClaim] | None:
-    """Label the first free, idle worker pod with the job and `role` (preconditioned:
-    a pod another placement took first is skipped) once its worker is healthy."""
+def _claim_free(backend, placement: KubePlacement, role: str,
+                index: int) -> tuple[str, PodClaim] | None:
+    """Label the first free, idle worker pod with the job, `role` and its engine
+    `index` (preconditioned: a pod another placement took first is skipped) once
+    its worker is healthy."""
     for pod in backend.free_workers():
         if not backend._worker_idle(pod):
             continue
         try:
             backend._patch_labels(pod.metadata.name, role, placement.job_id,
-                                  pod.metadata.resource_version)
+                                  pod.metadata.resource_version, rollout_index=index)
         except Exception as err:
             if is_conflict(err):
                 continue  # another placement took it: the next one
@@ -182,9 +185,12 @@ def _reclaim(backend, placement: KubePlacement, name: str, claim: PodClaim, pod,
     if job not in (None, "", placement.job_id):
         raise RuntimeError(f"pod {name} came back carrying job {job}")
     if job != placement.job_id or labels.get(ROLE_LABEL) != claim.role:
+        index = (placement.rollout_addresses.index(claim.address)
+                 if claim.address in placement.rollout_addresses and not placement.worker_names
+                 else None)
         try:
             backend._patch_labels(name, claim.role, placement.job_id,
-                                  pod.metadata.resource_version)
+                                  pod.metadata.resource_version, rollout_index=index)
         except Exception as err:
             if is_conflict(err):
                 return False

@@ -441,7 +441,8 @@ class Scheduler(JobRecovery):
                                                   rollout_range=spec.cluster.rollout_range)
                     return self.backend.place(record.job_id, run_dir, colocated=spec.colocated)
                 except NoCapacity as err:
-                    self.queue.short_of_workers(record.job_id)
+                    if err.short_of_workers:
+                        self.queue.short_of_workers(record.job_id)
                     if record.reason != str(err):
                         record.reason = str(err)
                         self.store.save(record)

@@ -104,3 +104,53 @@ def test_event_log_reads_return_exactly_the_events_after_the_reader(monkeypatch)
     # 20 events, the log keeps the newest 8: a reader at 2 gets 13..20.
     assert [e.seq for e in worker.wait_events(2, 0.0)] == list(range(13, 21))
     assert [e.seq for e in worker.wait_events(17, 0.0)] == [18, 19, 20]
+
+
+def test_a_put_refused_as_the_worker_leaves_rollout_returns_the_group_instead_of_failing():
+    """An AsyncHybrid worker moving to the trainer role gets the trainer's job pass
+    from the scheduler's call, which may land while a finished group's put is under
+    way: the buffer refuses that put (the trainer's pass may not put). The group
+    goes back to the dispatcher, as one handed back, and the worker does not fail.
+    The same refusal outside a role change still fails it."""
+    import time
+
+    from reflow.rollout.records import GROUP_RETURNED
+    from reflow.rollout.worker import RolloutWorker
+    from reflow.tasks import TaskContext
+    from reflow.tasks.repeat import RepeatTask
+    from tests.unit.test_dispatch import StaggeredEngine
+
+    class Refused(Exception):
+        def code(self):
+            return type("Code", (), {"name": "PERMISSION_DENIED"})()
+
+    class RefusingBuffer:
+        def put(self, job_id, trajectories):
+            time.sleep(0.2)  # the role change's call arrives meanwhile
+            raise Refused("ReplayBuffer/Put: rollout only, not a trainer")
+
+    spec = parse_job_spec({"model": {"path": "/m"}, "rollout": {"group_size": 2},
+                           "trainer": {"batch_size": 4}})
+    prompts = RepeatTask(8, 3, context=TaskContext(seed=0)).prompts()
+    for leaving in (True, False):
+        worker = RolloutWorker("j", spec, lambda: StaggeredEngine(0.01),
+                               RepeatTask(8, 3, context=TaskContext(seed=0)), RefusingBuffer(),
+                               encode=lambda text: [1, 2], decode=lambda ids: "a")
+        worker.start()
+        worker.wait_ready(10)
+        try:
+            assert worker.submit_group("g", next(prompts))
+            time.sleep(0.1)  # generated; the put is under way
+            if leaving:
+                worker.set_standby(True)
+            deadline = time.monotonic() + 10
+            ends = []
+            while not ends and time.monotonic() < deadline:
+                ends = [e for e in worker.wait_events(0, 0.2) if e.sample_index < 0]
+            assert ends, "the group never ended"
+            if leaving:
+                assert ends[0].error == GROUP_RETURNED and worker.state == "running"
+            else:
+                assert "not a trainer" in ends[0].error and worker.state == "failed"
+        finally:
+            worker.stop()

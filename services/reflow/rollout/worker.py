@@ -419,6 +419,16 @@ class RolloutWorker(WeightSyncMixin):
             self._putting.add(group_id)
             try:
                 await asyncio.to_thread(self.replay.put, self.job_id, trajectories)
+            except Exception as err:
+                if not (_refused(err) and await self._leaving_rollout()):
+                    raise
+                # The worker left rollout while this put was under way: its pass for
+                # the job is the trainer's now, which may not put. Nothing was stored;
+                # the dispatcher routes the group again, as one handed back.
+                logger.warning("job %s: group %s not put (the worker left rollout): %s",
+                               self.job_id, group_id, err)
+                self._emit(group_id, -1, error=GROUP_RETURNED)
+                return
             finally:
                 self._putting.discard(group_id)
             self._emit(group_id, -1)
@@ -511,6 +521,14 @@ class RolloutWorker(WeightSyncMixin):
         if verdict:
             raise RuntimeError(verdict)
 
+    async def _leaving_rollout(self, wait_s: float = 2.0) -> bool:
+        """Whether this worker is moving to the trainer role: its standby, which the
+        role change sets just after the scheduler's call swapped its job pass."""
+        deadline = time.monotonic() + wait_s
+        while not self.standby and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.standby
+
     async def _hand_back(self) -> int:
         tasks = [t for t in self._group_tasks
                  if not t.done() and t.get_name() not in self._putting]
@@ -534,3 +552,10 @@ class RolloutWorker(WeightSyncMixin):
         # loop still runs.
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def _refused(err: Exception) -> bool:
+    """A call the server refused for the caller's role (gRPC PERMISSION_DENIED),
+    told without importing gRPC here."""
+    code = getattr(err, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "PERMISSION_DENIED"

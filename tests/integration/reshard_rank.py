@@ -3,9 +3,12 @@
 (2 -> 3), then the second leaves (3 -> 2), two steps at each membership on
 the same batches as a single unsharded trainer, which process 0 also runs.
 
-    python -m tests.integration.reshard_rank MODEL OUT PORTS ME
+    python -m tests.integration.reshard_rank MODEL OUT PORTS ME [hsdp]
 
 PORTS: six ports, comma-separated: each phase's union group and new group.
+With `hsdp`, four processes form 2 replicas x 2 shards, and after two steps
+processes 2 and 3 leave without a word (a lost replica): the other two go on
+as one replica from the shards they hold.
 """
 
 import argparse
@@ -15,10 +18,15 @@ import types
 
 import torch
 
-# Union ranks per phase: (old ranks, new ranks); -1 where a process is not a member.
-PHASES = [([-1, -1], [0, 1]),             # the first membership: 0 and 1
-          ([0, 1, -1], [0, 1, 2]),        # process 2 joins
-          ([0, 1, 2], [0, -1, 1])]        # process 1 leaves
+# Union ranks per phase: (old ranks, new ranks, shards per replica: 0 for fsdp);
+# -1 where a process is not a member.
+PHASES = [([-1, -1], [0, 1], 0),             # the first membership: 0 and 1
+          ([0, 1, -1], [0, 1, 2], 0),        # process 2 joins
+          ([0, 1, 2], [0, -1, 1], 0)]        # process 1 leaves
+# trainer.parallelism hsdp: 2 replicas x 2 shards, then replica 1 (processes 2 and
+# 3) is gone and the survivors form 1 x 2 with the shards they hold.
+HSDP_PHASES = [([-1, -1, -1, -1], [0, 1, 2, 3], 2),
+               ([0, 1], [0, 1], 2)]
 STEPS_PER_PHASE = 2
 # The union groups' key, shared by the processes as JoinGroup hands it out; each
 # new group's key travels in the plan, drawn by process 0 as the leader does.
@@ -31,7 +39,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("ports", type=lambda v: [int(p) for p in v.split(",")])
     ap.add_argument("me", type=int)
+    ap.add_argument("scenario", nargs="?", default="fsdp", choices=["fsdp", "hsdp"])
     args = ap.parse_args()
+    phases = HSDP_PHASES if args.scenario == "hsdp" else PHASES
 
     from transformers import AutoModelForCausalLM
 
@@ -61,15 +71,19 @@ def main() -> None:
                                  device=cpu, spec=spec, _new_optimizer=optimizer_of,
                                  group_timeout_s=120.0)
     vocab = loop.model.config.vocab_size
-    batches = [_trajectories(13, vocab) for _ in range(len(PHASES) * STEPS_PER_PHASE)]
+    batches = [_trajectories(13, vocab) for _ in range(len(phases) * STEPS_PER_PHASE)]
     single = fresh() if args.me == 0 else None
     single_opt = optimizer_of(single.parameters()) if single is not None else None
     report = {"me": args.me, "received": [], "full_state_bytes":
               reshard.state_bytes(loop.model)}
     done = 0
-    for phase, (old_ranks, new_ranks) in enumerate(PHASES):
+    for phase, (old_ranks, new_ranks, shards) in enumerate(phases):
         if args.me >= len(new_ranks):
             report["received"].append(None)
+            if args.scenario == "hsdp":  # the lost replica: gone, its shards with it
+                with open(args.out, "w") as f:
+                    json.dump(report, f)
+                return
             continue
         union = TrainerGroup.build("127.0.0.1", args.ports[2 * phase], args.me,
                                    len(new_ranks), phase + 1, cpu, 120.0,
@@ -81,7 +95,8 @@ def main() -> None:
                 new_ranks=new_ranks, layout=reshard.layout_of(source)[2],
                 steps=reshard.optimizer_steps(loop.root, loop.optimizer)
                 if loop.root is not None else [], initial=phase == 0,
-                rendezvous_key=new_rendezvous_key())
+                rendezvous_key=new_rendezvous_key(), old_shards=shards if phase else 0,
+                new_shards=shards)
             union._broadcast_bytes(plan.encode())
         else:
             plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))

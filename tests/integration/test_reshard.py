@@ -62,3 +62,23 @@ def test_a_joiner_receives_its_own_shard_and_a_leaver_hands_its_shard_on(reports
     assert reports[0]["received"][2] > 0 and reports[2]["received"][2] > 0
     assert reports[1]["received"][2] == 0
     assert reports[0]["received"][2] + reports[2]["received"][2] <= full / 3 * 1.1
+
+
+def test_hsdp_trains_the_single_trainers_weights_and_survives_a_lost_replica(tiny_model,
+                                                                             tmp_path):
+    """trainer.parallelism hsdp, 2 replicas x 2 shards over gloo: two steps, then
+    replica 1 is gone and the other goes on alone for two more from the shards it
+    holds (nothing moves). The weights and moments are the single trainer's."""
+    ports = _ports(4)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.integration.reshard_rank",
+                               tiny_model, str(tmp_path / f"p{i}.json"), ports, str(i), "hsdp"])
+             for i in range(4)]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    reports = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(4)]
+    leader = reports[0]
+    assert leader["max_abs_diff"] < TOLERANCE, leader
+    assert leader["max_exp_avg_diff"] < TOLERANCE, leader
+    assert leader["steps"] == [4.0], leader
+    # The survivors' rebuild moved no rows: each kept its shard.
+    assert [r["received"] for r in reports[:2]] == [[0, 0], [0, 0]], reports

@@ -32,3 +32,26 @@ def test_auto_shards_large_models_of_a_pool_with_a_group_of_several_ranks():
     assert not wants_fsdp(_spec(), big)  # fixed roles: one trainer process
     assert not wants_fsdp(_spec("replicate", **POOL), big)
     assert wants_fsdp(_spec("fsdp", **POOL), small)
+
+
+def test_hsdp_holds_whole_replicas_and_says_what_it_needs():
+    import pytest
+
+    base = {"model": {"path": "/m"}, "scheduler": {"placement": False}}
+    spec = parse_job_spec({**base, "trainer": {"parallelism": "hsdp", "shard_size": 2},
+                           "cluster": {"workers": 5, "trainer_workers": 4}})
+    assert wants_fsdp(spec, 1) and spec.trainer.shard_size == 2
+    for trainer, cluster, match in [
+            ({"parallelism": "hsdp"}, {"workers": 5, "trainer_workers": 4}, "shard_size"),
+            ({"parallelism": "fsdp", "shard_size": 2}, {"workers": 3, "trainer_workers": 2},
+             "shard_size"),
+            ({"parallelism": "hsdp", "shard_size": 2}, {"workers": 4, "trainer_workers": 3},
+             "multiple"),
+            ({"parallelism": "hsdp", "shard_size": 2}, None, "cluster.workers")]:
+        with pytest.raises(ValueError, match=match):
+            parse_job_spec({**base, "trainer": trainer,
+                            **({"cluster": cluster} if cluster else {})})
+    with pytest.raises(ValueError, match="role flips move one worker at a time"):
+        parse_job_spec({"model": {"path": "/m"},
+                        "trainer": {"parallelism": "hsdp", "shard_size": 2},
+                        "cluster": {"workers": 5, "trainer_workers": 4}})  # placement on

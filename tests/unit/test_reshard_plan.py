@@ -65,7 +65,8 @@ def test_a_joiner_of_three_receives_a_third():
 
 def _plan(**change):
     data = dict(epoch=3, port=4000, old_ranks=[0, 1, -1], new_ranks=[0, 1, 2], steps=[1.0],
-                layout="abc", initial=False, rendezvous_key="9e" * 16)
+                layout="abc", initial=False, rendezvous_key="9e" * 16, old_shards=0,
+                new_shards=0)
     data.update(change)
     return json.dumps(data).encode()
 
@@ -106,3 +107,29 @@ def test_a_hostile_plan_is_refused_naming_what_is_wrong(raw, match):
         return
     with pytest.raises(ValueError, match=match):
         ReshardPlan.decode(raw)
+
+
+def test_a_replica_lost_from_an_hsdp_group_leaves_every_shard_where_it_is():
+    """2 replicas x 2 shards; the survivors of a lost replica keep their old ranks
+    (holding shard rank % 2) and form 1 x 2: every chunk is copied in place, none
+    moves between processes. A survivor of each replica works as well; a shard
+    whose every holder was lost cannot be planned."""
+    lengths = [10, 7]
+    for survivors in ([0, 1], [0, 3], [2, 1]):
+        moves = plan_moves(lengths, survivors, [0, 1], old_shards=2, new_shards=2)
+        assert moves and all(m.src == m.dst for m in moves), (survivors, moves)
+        assert {(m.tensor, m.dst) for m in moves} == {(t, d) for t in (0, 1) for d in (0, 1)}
+    with pytest.raises(ValueError, match="shard 1 of 2 is held by no member"):
+        plan_moves(lengths, [0, 2], [0, 1], old_shards=2, new_shards=2)
+    # A new replica's ranks receive their shard from a holder (the first in union
+    # order), one shard each: 1 x 2 -> 2 x 2.
+    grow = plan_moves([10], [0, 1, -1, -1], [0, 1, 2, 3], old_shards=2, new_shards=2)
+    assert sorted((m.src, m.dst, m.src_rows) for m in grow) == [
+        (0, 0, (0, 5)), (0, 2, (0, 5)), (1, 1, (0, 5)), (1, 3, (0, 5))]
+    plan = ReshardPlan.decode(_plan(old_ranks=[0, 3], new_ranks=[0, 1], old_shards=2,
+                                    new_shards=2))
+    assert plan.old_world == 2
+    with pytest.raises(ValueError, match="not whole replicas"):
+        ReshardPlan.decode(_plan(new_shards=2))
+    with pytest.raises(ValueError, match="permutation"):
+        ReshardPlan.decode(_plan(old_ranks=[0, 3, -1]))  # only an hsdp survivor keeps a gap

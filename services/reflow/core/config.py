@@ -393,6 +393,16 @@ class JobSpec(_Section):
                 f"rollout.max_inflight_samples ({self.concurrency_cap}) must be at "
                 f"least rollout.group_size ({self.rollout.group_size})"
             )
+        shards = self.trainer.shard_size
+        if shards is not None:
+            if self.cluster.workers is None or self.cluster.trainer_workers % shards:
+                raise ValueError(f"trainer.parallelism: hsdp holds whole replicas of "
+                                 f"trainer.shard_size ({shards}) ranks: set cluster.workers and "
+                                 "a cluster.trainer_workers that is a multiple of it")
+            if self.flips_roles:
+                raise ValueError("trainer.parallelism: hsdp: its group changes by whole "
+                                 "replicas, and role flips move one worker at a time; set "
+                                 "scheduler.placement: false and no cluster.flips")
         if self.cluster.flips and self.scheduler.enabled("placement"):
             raise ValueError("cluster.flips: scheduled flips and the placement policy would move "
                              "the same workers; set scheduler.placement: false with cluster.flips")

@@ -98,7 +98,7 @@ class TrainerConfig(_Section):
         description="Committed checkpoints kept; older ones are deleted once a newer one "
         "commits. Each holds the model and AdamW's two moments: about 3x the model's bytes.",
     )
-    parallelism: Literal["auto", "replicate", "fsdp"] = Field(
+    parallelism: Literal["auto", "replicate", "fsdp", "hsdp"] = Field(
         default="auto",
         description="How the trainer group holds the model. `replicate`: every rank holds "
         "all of the weights, gradients and AdamW state, gradients are all-reduced. `fsdp`: "
@@ -106,10 +106,17 @@ class TrainerConfig(_Section):
         "of them, gradients are reduce-scattered, weight sync gathers a bucket at a time "
         "(trainer/fsdp.py), a role flip moves only the joiner's or leaver's shards "
         "(trainer/reshard.py), a lost replica fails the job, and checkpoints are saved "
-        "sharded by every rank. `auto`: fsdp for an elastic pool whose trainer group has 2 "
+        "sharded by every rank. `hsdp`: FSDP inside each replica of trainer.shard_size ranks, "
+        "data parallel across replicas (a 2-D device mesh): a lost replica's shards are held "
+        "by the others, so the group goes on without it. `auto`: fsdp for an elastic pool "
+        "whose trainer group has 2 "
         "or more ranks at start or may change by role flips, on a model of at least 1e9 "
         "parameters (where replicated AdamW state passes 16 GB a rank in fp32), else "
         "replicate.")
+    shard_size: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="With hsdp: the ranks of one replica, over which each replica shards "
+        "the model; the trainer group holds whole replicas (its size a multiple).")
     fsdp_cpu_offload: bool = Field(
         default=False,
         description="With fsdp: keep the sharded parameters, gradients and optimizer step "
@@ -119,6 +126,13 @@ class TrainerConfig(_Section):
         default=600.0, gt=0.0, le=86_400.0,
         description="Longest wait for a batch before the job fails."
     )
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> TrainerConfig:
+        if (self.parallelism == "hsdp") != (self.shard_size is not None):
+            raise ValueError("trainer.shard_size: set it with trainer.parallelism: hsdp (the "
+                             "ranks of one replica), and only then")
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainerConfig:

@@ -1,6 +1,9 @@
 """The trainer group with sharded state: FSDP2 (`fully_shard`) over the group's
 ranks, so each rank holds 1/N of the parameters, their gradients and AdamW's
-moments instead of all of them (paper §5: the trainer is FSDP).
+moments instead of all of them (paper §5: the trainer is FSDP). With
+trainer.parallelism hsdp the group is replicas of trainer.shard_size ranks: each
+replica shards the model over its ranks and the replicas hold the same shards
+(HSDP, a 2-D device mesh), so a lost replica loses nothing the others lack.
 
 Each transformer block is its own FSDP unit and the root unit is a
 `PolicyScorer` around the Hugging Face model: the module whose forward is the
@@ -49,7 +52,7 @@ def wants_fsdp(spec, parameters: int) -> bool:
     it alike."""
     choice = spec.trainer.parallelism
     if choice != "auto":
-        return choice == "fsdp"
+        return choice in ("fsdp", "hsdp")
     return (spec.cluster.workers is not None
             and (spec.cluster.trainer_workers >= 2 or spec.flips_roles)
             and parameters >= FSDP_AUTO_MIN_PARAMETERS)
@@ -136,8 +139,14 @@ class ShardedGroup(TrainerGroup):
     @classmethod
     def build(cls, master_address: str, master_port: int, rank: int, world_size: int,
               device: torch.device, timeout_s: float = 600.0, epoch: int = 1, *,
-              rendezvous_key: str) -> ShardedGroup:
-        """`rendezvous_key`: the group's secret, as TrainerGroup.build's."""
+              rendezvous_key: str, shards: int = 0) -> ShardedGroup:
+        """`rendezvous_key`: the group's secret, as TrainerGroup.build's. `shards`:
+        the ranks each replica shards over (trainer.parallelism hsdp): a 2-D mesh of
+        world_size / shards replicas by `shards`, rank r being shard r % shards of
+        replica r // shards; 0 (or world_size) shards over the whole group."""
+        if shards and world_size % shards:
+            raise ValueError(f"trainer group: {world_size} ranks are not whole replicas of "
+                             f"{shards} (trainer.shard_size)")
         check_rendezvous_key(rendezvous_key)
         if dist.is_initialized():
             raise RuntimeError("this process already holds a trainer group; close it first")
@@ -151,7 +160,13 @@ class ShardedGroup(TrainerGroup):
             dist.init_process_group(backend, store=keyed_store(store, rendezvous_key,
                                                                _STORE_PREFIX),
                                     rank=rank, world_size=world_size, timeout=timeout)
-        mesh = init_device_mesh(device.type, (world_size,))
+        if shards and shards != world_size:
+            # FSDP2 over a 2-D mesh is HSDP: sharded along "shard", replicated (its
+            # gradients all-reduced) along "replicate".
+            mesh = init_device_mesh(device.type, (world_size // shards, shards),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world_size,))
         return cls(SyncGroup(dist.group.WORLD, store), rank, world_size, epoch, device,
                    mesh=mesh)
 
@@ -171,6 +186,29 @@ class ShardedGroup(TrainerGroup):
         self.sync.group = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What a collective that failed because a rank is gone says (gloo's transport, NCCL).
+_PEER_GONE = ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+              "NCCL communicator was aborted", "NCCL error")
+
+
+def collective_failed(err: BaseException) -> bool:
+    """Whether `err`, raised inside an FSDP step, is a failed collective of the
+    group (a rank died), not a fault of the step itself."""
+    return isinstance(err, dist.DistError) or any(m in str(err) for m in _PEER_GONE)
+
+
+def reshard_units(root: torch.nn.Module) -> None:
+    """Every FSDP unit back to its sharded parameters (freeing what a step cut short
+    left gathered): what the module then holds is this rank's shards, untouched by
+    the optimizer, ready to move into the group formed next (trainer/reshard.py).
+    Local: no collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def policy_parameters(root: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

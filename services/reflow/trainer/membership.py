@@ -208,33 +208,50 @@ class GroupMembership:
             # leader has trained since would differ from a joiner's.
             raise RuntimeError(f"trainer.parallelism: fsdp: the group first forms at step "
                                f"{self.step}, after training began at step {first_step}")
+        shards = self.spec.trainer.shard_size or 0
+        # A broken hsdp group (`_regroup_after`): its survivors stand by holding their
+        # shards, and join the union by RPC, as joiners do, with the ranks they had.
+        broken = not initial and self.group is None
+        old_rank = {a: i for i, a in enumerate(self.peers, start=1)}
         holders = [] if initial else list(self.peers)
-        if not initial:
+        if broken:
+            holders = self._survivors(holders)
+        elif not initial:
             self._check_shard_holders(holders)
-        joiners, their_epochs = self._peers_standing_by([a for a in peers if a not in holders])
+        # Joiners: not ranks of the current group (a rank a broken group lost is gone).
+        joiners, their_epochs = self._peers_standing_by(
+            [a for a in peers if a not in holders and a not in old_rank])
         epoch = max([self.membership_epoch, *their_epochs]) + 1
         # Union ranks: this leader, the current ranks in rank order, the joiners.
         union = [*holders, *joiners]
         members = [a for a in peers if a in union]
+        if shards:
+            # Whole replicas only: a survivor left over hands its rows on and leaves.
+            members = members[:(1 + len(members)) // shards * shards - 1]
+            union = [a for a in union if a in holders or a in members]
+            joiners = [a for a in joiners if a in members]
         # Each rendezvous's key travels with its port: the union's in the JoinGroup
         # RPC and the current group's reshard command, the new group's in the plan.
         union_key = new_rendezvous_key()
         plan = reshard.ReshardPlan(
             epoch=epoch, port=free_port(), rendezvous_key=new_rendezvous_key(),
-            old_ranks=[-1 if initial else 0, *range(1, 1 + len(holders)), *[-1] * len(joiners)],
+            old_ranks=[-1 if initial else 0, *[old_rank[a] for a in holders],
+                       *[-1] * len(joiners)],
             new_ranks=[0, *[members.index(a) + 1 if a in members else -1 for a in union]],
             steps=[] if initial else reshard.optimizer_steps(self.root, self.optimizer),
-            layout=reshard.layout_of(self.model if initial else self.root)[2], initial=initial)
+            layout=reshard.layout_of(self.model if initial else self.root)[2], initial=initial,
+            old_shards=0 if initial else shards, new_shards=shards)
         union_port, world = free_port(), 1 + len(union)
         try:
-            if not initial:
+            if not initial and not broken:
                 # The current ranks build the union group with this leader.
                 self.group.send_command("reshard", self.step, arg=json.dumps(
                     {"port": union_port, "world": world, "epoch": epoch,
                      "rendezvous_key": union_key}))
             joins = [self._pool.submit(self._peer_client(address).join_group, self.job_id,
                                        union_port, rank, world, epoch, union_key)
-                     for rank, address in enumerate(union, start=1) if address in joiners]
+                     for rank, address in enumerate(union, start=1)
+                     if address in joiners or broken]
             group = TrainerGroup.build(self.master_address, union_port, 0, world, epoch,
                                        self.device, self.group_timeout_s,
                                        rendezvous_key=union_key)
@@ -266,6 +283,39 @@ class GroupMembership:
                     epoch, 1 + len(members), self.last_regroup_s,
                     f", {self.last_handoff}" if not initial else "")
 
+    def _survivors(self, holders: list[str]) -> list[str]:
+        """The ranks of a broken hsdp group that stand by still holding the shards of
+        its epoch (a lost replica's do not answer), in rank order. Asked all at once:
+        a dead one's status fails only after the channel's retries."""
+        deadline = time.monotonic() + PEER_STANDBY_WAIT_S
+
+        def standing_by(address: str) -> str:
+            # A survivor still in the broken group's collective leaves it once the
+            # leader's abort reaches it: it is waited for, as _peers_standing_by does.
+            client = self._peer_client(address)
+            try:
+                while True:
+                    status = client.status(self.job_id)
+                    if (status.state == "standby"
+                            and status.membership_epoch == self.membership_epoch):
+                        return ""
+                    if (status.state not in ("training", "joining")
+                            or time.monotonic() > deadline or self.stopping):
+                        return f"{status.state} in epoch {status.membership_epoch}"
+                    time.sleep(_PEER_POLL_S)
+            except Exception as err:  # noqa: BLE001 - its worker is gone
+                return f"unreachable ({type(err).__name__})"
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(holders))) as pool:
+            answers = list(pool.map(standing_by, holders))
+        for address, why in zip(holders, answers):
+            if why:
+                logger.warning("job %s: rank %s of the broken group is %s: left out",
+                               self.job_id, address, why)
+        return [a for a, why in zip(holders, answers) if not why]
+
     def _check_shard_holders(self, holders: list[str]) -> None:
         """Every current rank of an FSDP group holds shards no other has: each must
         still be there, in this group, for its rows to move."""
@@ -286,7 +336,7 @@ class GroupMembership:
                     f"the trainer group of epoch {epoch} that no other rank holds, so the "
                     "group cannot change membership without it (a replica was lost?). "
                     "Resume the job from its last checkpoint, or use trainer.parallelism: "
-                    "replicate, whose group goes on without the lost replica")
+                    "replicate or hsdp, whose group goes on without the lost replica")
 
     def _peers_standing_by(self, peers: list[str]) -> tuple[list[str], list[int]]:
         """The replicas of `peers` that stand by to join (in order), and the
@@ -336,12 +386,12 @@ class GroupMembership:
         broken, self.group = self.group, None
         if broken is not None:
             broken.abort()  # the survivors' collectives fail now, and they stand by
-        if self.sharded:
+        if self.sharded and not self.spec.trainer.shard_size:
             raise RuntimeError(f"trainer.parallelism: fsdp: the trainer group broke at step "
                                f"{self.step + 1} ({err}); its lost rank's shards are nowhere "
                                "else. Resume the job from its last checkpoint, or use "
-                               "trainer.parallelism: replicate, whose group goes on without "
-                               "the lost replica") from err
+                               "trainer.parallelism: replicate or hsdp, whose group goes on "
+                               "without the lost replica") from err
         logger.warning("job %s: trainer group broke at step %d (%s); rebuilding it",
                        self.job_id, self.step + 1, err)
         with self._membership_lock:

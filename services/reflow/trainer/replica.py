@@ -52,6 +52,8 @@ class TrainerReplica:
         self._stop = threading.Event()
         self._loaded = threading.Event()
         self._thread: threading.Thread | None = None
+        # hsdp: this rank's rank in the group that broke, whose shards it still holds.
+        self.broken_rank: int | None = None
 
     def load(self) -> None:
         try:
@@ -106,6 +108,9 @@ class TrainerReplica:
             if loop.sharded:
                 group, how = self._join_sharded(master_port, rank, world_size, epoch,
                                                 rendezvous_key)
+                if group is None:  # a survivor left over, not a whole replica: rows handed on
+                    self.state = "standby"
+                    return
             else:
                 group = TrainerGroup.build(self.leader_host, master_port, rank, world_size,
                                            epoch, loop.device, loop.group_timeout_s,
@@ -155,11 +160,17 @@ class TrainerReplica:
                 group.abort()
             if not self._stop.is_set():
                 logger.warning("job %s: replica left broken group of epoch %d: %s",
-                               self.job_id, epoch, err)
-                # Its shards are of a group that is gone: an fsdp replica cannot rejoin.
-                self.state = "standby" if loop.root is None else "failed"
-                if loop.root is not None:
-                    self.error = f"fsdp trainer group broke: {err}"[:1000]
+                               self.job_id, self.epoch, err)
+                if loop.root is not None and loop.spec.trainer.shard_size and group is not None:
+                    # hsdp: another replica holds what a lost one held, so this rank's
+                    # shards go on into the group the leader forms from the survivors.
+                    self.broken_rank, loop.group = group.rank, None
+                    self.state = "standby"
+                else:
+                    # fsdp: its shards are of a group that is gone; it cannot rejoin.
+                    self.state = "standby" if loop.root is None else "failed"
+                    if loop.root is not None:
+                        self.error = f"fsdp trainer group broke: {err}"[:1000]
         except Exception as err:  # noqa: BLE001 - reported through GetStatus
             if self._stop.is_set():
                 logger.info("job %s: stopped replica left its group: %s", self.job_id, err)
@@ -183,11 +194,15 @@ class TrainerReplica:
                                    rendezvous_key=rendezvous_key)
         try:
             plan = reshard.ReshardPlan.decode(union._broadcast_bytes(None))
+            # A joiner holds no shards; a survivor of a broken hsdp group its old rank's.
+            held = self.broken_rank if loop.root is not None else None
             if (plan.epoch != epoch or len(plan.new_ranks) != world_size
-                    or plan.old_ranks[rank] >= 0 or plan.new_ranks[rank] < 0):
+                    or plan.old_ranks[rank] != (-1 if held is None else held)
+                    or (plan.new_ranks[rank] < 0 and held is None)):
                 raise ValueError(f"reshard plan: not a join of union rank {rank}/{world_size} "
                                  f"in epoch {epoch}")
             group, received = reshard.apply_plan(loop, plan, rank, union, self.leader_host)
+            self.broken_rank = None
         finally:
             union.close()
         return group, ("sharded in place" if plan.initial else f"{received} B of shards")

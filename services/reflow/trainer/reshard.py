@@ -68,24 +68,38 @@ class Move:
     dst_rows: tuple[int, int]
 
 
-def plan_moves(lengths: list[int], old_ranks: list[int], new_ranks: list[int]) -> list[Move]:
+def plan_moves(lengths: list[int], old_ranks: list[int], new_ranks: list[int],
+               old_shards: int = 0, new_shards: int = 0) -> list[Move]:
     """Every overlap of an old and a new chunk of each tensor (dim-0 `lengths`),
-    for union members with ranks `old_ranks` / `new_ranks` (-1: not a member)."""
+    for union members with ranks `old_ranks` / `new_ranks` (-1: not a member).
+    `old_shards`/`new_shards`: the ranks a replica shards over (trainer.parallelism
+    hsdp; rank r holds chunk r % shards, as every other replica's rank of that
+    shard does); 0 shards over the whole membership. A chunk held by several old
+    ranks comes from the new owner itself where it holds it (copied in place),
+    else from the first holder in union order."""
     old_world = sum(r >= 0 for r in old_ranks)
     new_world = sum(r >= 0 for r in new_ranks)
+    s_old, s_new = old_shards or old_world, new_shards or new_world
+    holders: dict[int, list[int]] = {}
+    for src, o in enumerate(old_ranks):
+        if o >= 0:
+            holders.setdefault(o % s_old, []).append(src)
     moves = []
     for t, length in enumerate(lengths):
-        for src, o in enumerate(old_ranks):
-            if o < 0:
+        for dst, n in enumerate(new_ranks):
+            if n < 0:
                 continue
-            o0, o1 = chunk_rows(length, old_world, o)
-            for dst, n in enumerate(new_ranks):
-                if n < 0:
-                    continue
-                n0, n1 = chunk_rows(length, new_world, n)
+            n0, n1 = chunk_rows(length, s_new, n % s_new)
+            for j in range(s_old):
+                o0, o1 = chunk_rows(length, s_old, j)
                 a, b = max(o0, n0), min(o1, n1)
-                if a < b:
-                    moves.append(Move(t, src, dst, (a - o0, b - o0), (a - n0, b - n0)))
+                if a >= b:
+                    continue
+                if j not in holders:
+                    raise ValueError(f"reshard plan: shard {j} of {s_old} is held by no "
+                                     "member (a whole shard's holders were lost)")
+                src = dst if dst in holders[j] else holders[j][0]
+                moves.append(Move(t, src, dst, (a - o0, b - o0), (a - n0, b - n0)))
     return moves
 
 
@@ -106,6 +120,11 @@ class ReshardPlan:
     # The new group's secret (weightsync.make_group), drawn by the leader; the plan
     # travels over the union group, itself keyed.
     rendezvous_key: str = field(default="", repr=False)
+    # trainer.parallelism hsdp: the ranks of a replica, before and after (0: fsdp,
+    # sharded over the whole membership). A broken group's survivors keep the old
+    # ranks they had, which then need not be 0..N-1.
+    old_shards: int = 0
+    new_shards: int = 0
 
     @property
     def old_world(self) -> int:
@@ -130,14 +149,23 @@ class ReshardPlan:
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise ValueError("reshard plan: unexpected fields")
         plan = cls(**data)
+        for name in ("old_shards", "new_shards"):
+            value = getattr(plan, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_UNION:
+                raise ValueError(f"reshard plan: {name} {value!r}")
         for name in ("old_ranks", "new_ranks"):
             ranks = getattr(plan, name)
             if (not isinstance(ranks, list) or len(ranks) > MAX_UNION
                     or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks)):
                 raise ValueError(f"reshard plan: {name} must be a list of integers")
             members = sorted(r for r in ranks if r >= 0)
-            if members != list(range(len(members))):
+            survivors = name == "old_ranks" and plan.old_shards
+            if (len(set(members)) != len(members) or (members and members[-1] >= MAX_UNION)
+                    if survivors else members != list(range(len(members)))):
                 raise ValueError(f"reshard plan: {name} {ranks} is not a permutation of 0..N-1")
+        if plan.new_shards and plan.new_world % plan.new_shards:
+            raise ValueError(f"reshard plan: {plan.new_world} ranks are not whole replicas of "
+                             f"{plan.new_shards}")
         if len(plan.old_ranks) != len(plan.new_ranks) or not plan.new_ranks:
             raise ValueError("reshard plan: old_ranks and new_ranks differ in length")
         if plan.new_ranks[0] != 0 or plan.old_ranks[0] != (-1 if plan.initial else 0):
@@ -196,7 +224,8 @@ def moved_bytes(plan: ReshardPlan, shapes: list[torch.Size], element_size: int) 
     own rows copied in place count nothing)."""
     lengths, row_bytes = _tensor_rows(shapes, element_size)
     received: dict[int, int] = {}
-    for m in plan_moves(lengths, plan.old_ranks, plan.new_ranks):
+    for m in plan_moves(lengths, plan.old_ranks, plan.new_ranks, plan.old_shards,
+                        plan.new_shards):
         if m.src != m.dst:
             n = (m.dst_rows[1] - m.dst_rows[0]) * row_bytes[m.tensor]
             received[m.dst] = received.get(m.dst, 0) + n
@@ -240,7 +269,8 @@ def move_shards(union: TrainerGroup, plan: ReshardPlan, me: int, shapes: list[to
     # Batches are cut at the same moves on every process (every MAX_INFLIGHT of
     # the plan's, not of this process's), so a batch's every receive has its send
     # posted in the same batch on the other side.
-    for i, m in enumerate(plan_moves(lengths, plan.old_ranks, plan.new_ranks), start=1):
+    for i, m in enumerate(plan_moves(lengths, plan.old_ranks, plan.new_ranks, plan.old_shards,
+                                     plan.new_shards), start=1):
         if m.src == me and m.dst == me:
             new[m.tensor][m.dst_rows[0]:m.dst_rows[1]].copy_(
                 old[m.tensor][m.src_rows[0]:m.src_rows[1]])
@@ -314,7 +344,8 @@ def apply_plan(loop, plan: ReshardPlan, me: int, union: TrainerGroup, host: str)
         if old_root is None:
             raise ValueError("reshard plan: an old rank for a process that holds no shards")
         old = local_state(old_root, old_optimizer)
-        loop.group.close()  # the old default group: the new one takes its place
+        if loop.group is not None:  # a broken group's survivor has none left
+            loop.group.close()  # the old default group: the new one takes its place
         loop.group = None
     if new_rank < 0:
         received = move_shards(union, plan, me, shapes, old, None) if not plan.initial else 0
@@ -323,7 +354,7 @@ def apply_plan(loop, plan: ReshardPlan, me: int, union: TrainerGroup, host: str)
         return None, received
     group = ShardedGroup.build(host, plan.port, new_rank, plan.new_world, loop.device,
                                loop.group_timeout_s, plan.epoch,
-                               rendezvous_key=plan.rendezvous_key)
+                               rendezvous_key=plan.rendezvous_key, shards=plan.new_shards)
     try:
         if plan.initial:
             # The first membership: the weights every rank loaded, sharded in place.

@@ -185,9 +185,35 @@ def _minibatches(n: int, num: int) -> list[list[int]]:
 
 def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec,
                  trajectories: list[Trajectory], pad_id: int, device: torch.device,
-                 group: TrainerGroup | None = None,
-                 reference: torch.nn.Module | None = None, step: int | None = None,
-                 stop_ids: list[int] | None = None):
+                 group: TrainerGroup | None = None, **options):
+    """`_compute_step`. With an FSDP group, a collective FSDP runs that fails (a
+    rank died: its sockets closed) is the group breaking, as a failed collective
+    of TrainerGroup's own is (dp.GroupBroken): the FSDP units go back to their
+    sharded parameters, which no optimizer step has touched, and the leader
+    rebuilds the group (an hsdp group from the surviving replicas)."""
+    if group is None or not getattr(group, "sharded", False):
+        return _compute_step(model, optimizer, spec, trajectories, pad_id, device, group,
+                             **options)
+    from reflow.trainer.dp import GroupBroken
+    from reflow.trainer.fsdp import collective_failed, reshard_units
+
+    try:
+        return _compute_step(model, optimizer, spec, trajectories, pad_id, device, group,
+                             **options)
+    except GroupBroken:
+        raise
+    except RuntimeError as err:
+        if not collective_failed(err):
+            raise
+        reshard_units(model)
+        raise GroupBroken(f"an FSDP collective failed: {err}"[:2000]) from err
+
+
+def _compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec,
+                  trajectories: list[Trajectory], pad_id: int, device: torch.device,
+                  group: TrainerGroup | None = None,
+                  reference: torch.nn.Module | None = None, step: int | None = None,
+                  stop_ids: list[int] | None = None):
     """Gradient of this rank's share of the batch, summed over the group, then one
     clipped optimizer step per minibatch (trainer.num_minibatches). Returns
     ((LossStats, grad_norm), per-sample stats); every rank returns the same.

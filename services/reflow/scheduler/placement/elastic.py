@@ -249,8 +249,13 @@ class ElasticPool:
         engines = [a for j, a in enumerate(self.addresses) if j and self.roles[j] != "lost"]
         plan = RankPlan.for_engines([self.spec.rollout.tensor_parallel_size] * len(engines))
         for j, engine in enumerate(engines):
-            self.dispatcher.clients[engine].set_sync_place(self.job_id, plan.first_rank(j),
-                                                           plan.world_size)
+            try:
+                self.dispatcher.clients[engine].set_sync_place(self.job_id, plan.first_rank(j),
+                                                               plan.world_size)
+            except Exception as err:  # noqa: BLE001 - lost too (it dies with this one): its
+                # own loss is reported next and places the engines left again.
+                logger.warning("job %s: engine %s not told its place %d/%d: %s", self.job_id,
+                               engine, plan.first_rank(j), plan.world_size, err)
         epoch = self.leader.reconfigure(self.job_id, self.trainer_peers, engines)
         event = {"event": "worker_left_pool", "worker": i, "name": name, "role": role,
                  "reason": reason, "groups_rerouted": rerouted, "membership_epoch": epoch,

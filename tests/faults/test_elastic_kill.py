@@ -63,6 +63,21 @@ def _kill_at(proc, cli, out, name: str, steps: int) -> tuple[float, list[int]]:
     return killed_at, doomed
 
 
+def _succeeded(proc, tmp_path, doomed: list[int]) -> None:
+    """The job `reflow run` runs in `proc` ends SUCCEEDED, with nothing left of the
+    workers killed (`doomed`)."""
+    try:
+        output = proc.communicate(timeout=900)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (tmp_path / "cli.log").write_text(output)
+    assert proc.returncode == 0, output[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["phase"] == "SUCCEEDED", summary
+    assert not [p for p in doomed if _alive(p)]
+
+
 @pytest.mark.slow
 def test_killed_elastic_workers_are_restarted_or_left_behind_and_the_job_succeeds(tmp_path,
                                                                                   tiny_model):
@@ -79,15 +94,10 @@ def test_killed_elastic_workers_are_restarted_or_left_behind_and_the_job_succeed
         replica_killed, more = _kill_at(proc, cli, out, "worker-1", KILL_REPLICA_AT)
         doomed += more
         descendants = {p.pid for p in cli.children(recursive=True)}
-        output = proc.communicate(timeout=900)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    (tmp_path / "cli.log").write_text(output)
-    assert proc.returncode == 0, output[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["phase"] == "SUCCEEDED", summary
-    assert not [p for p in doomed if _alive(p)]
+    except BaseException:
+        proc.kill()
+        raise
+    _succeeded(proc, tmp_path, doomed)
     leftovers = [p for p in descendants if _alive(p)] + _processes_of(out)
     assert not leftovers, leftovers
 

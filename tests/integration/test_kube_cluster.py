@@ -1,9 +1,11 @@
 """The Kubernetes backend end to end, over real HTTP against the strict API test
 server (kube_apiserver.py), with real `reflow serve worker` processes behind
 the pods' IPs (127.0.0.1x on loopback) running real jobs (vLLM rollout, torch
-trainer, real replay buffer on real Redis): concurrent placements, reuse of
-released pods, injected conflicts, a stalled API server, a pod replaced under
-its name, and leader fail-over between two scheduler processes.
+trainer, real replay buffer on real Redis): concurrent placements, a stalled
+API server, pods recreated at new IPs, an idle pod replacing a lost one, leader
+fail-over between two scheduler processes, elastic jobs flipping and shrinking
+(with an injected conflict), and a job that grows into a released pod and gives
+it back to a job that waits.
 
 The API server is ours, not a kube-apiserver: these tests exercise our calls
 against the API conventions (preconditions, watches, leases), not a cluster.
@@ -59,15 +61,8 @@ def test_concurrent_jobs_use_disjoint_pods_and_released_pods_take_the_next_job(c
     pods_b = {p for ps in done["job-b"].workers.values() for p in ps}
     assert len(pods_a) == len(pods_b) == 2 and not pods_a & pods_b
     _wait(lambda: _all_idle(api), 60, "every pod released")
-
-    # A third job on pods the first two released, through an injected conflict on
-    # its first label patch: it re-reads, chooses again and starts.
-    api.fail("PATCH", path=r"/pods/rl-worker-", status=409, count=1)
-    scheduler.submit(_spec(cluster, "job-c", 2), job_id="job-c")
-    job = _wait(lambda: (r := scheduler.get("job-c")).terminal and r, 300, "job-c")
-    assert job.phase == "SUCCEEDED", job.reason
-    assert {p for ps in job.workers.values() for p in ps} <= pods_a | pods_b
-    _wait(lambda: _all_idle(api), 60, "job-c's pods released")
+    # Released pods taking the next job: the range test below; a claim that loses a
+    # race to an injected 409: test_kube_backend.py.
 
 
 def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
@@ -75,9 +70,9 @@ def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
     scheduler.submit(_spec(cluster, "long", 100_000), job_id="long")
     _wait(lambda: scheduler.get("long").step >= 2, 300, "the job to train")
     errors_before = sum(scheduler.backend.api_errors.values())
-    api.stall(30)
+    api.stall(12)  # six request timeouts (2 s) and more: the watch's and the lease's
     try:
-        time.sleep(30)
+        time.sleep(12)
         assert scheduler.get("long").phase == "RUNNING"
     finally:
         api.unstall()

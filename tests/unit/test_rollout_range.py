@@ -273,3 +273,23 @@ def test_the_trainer_s_engines_keep_their_order_and_new_ones_need_a_client():
     updates = [loop._pool.submit(ready.wait, 10) for _ in loop.rollouts]
     assert loop._pool.submit(ready.set).result(10) is None
     assert all(f.result(10) for f in updates)
+
+
+def test_a_resize_that_fails_never_fails_the_job():
+    """A trainer being restarted refuses the new engine set (it starts with the
+    placement's, which has it); a backend that cannot be asked is tried later."""
+    resizer = _resizer(free=2)
+
+    def restarting(*args, **kwargs):
+        raise RuntimeError("job 'j' is not training on this trainer")
+
+    resizer.trainer.reconfigure = restarting
+    _grow(resizer)
+    assert [c.address for c in resizer.rollouts] == ["first:1", "pod-0:1"]
+
+    def api_down(placement):
+        raise ConnectionError("the API server is unavailable")
+
+    resizer.backend.claim_rollout = api_down
+    _grow(resizer)  # logged; the job runs on with what it has
+    assert len(resizer.rollouts) == 2 and resizer._next_look > time.monotonic()

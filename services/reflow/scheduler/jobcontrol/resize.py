@@ -70,7 +70,16 @@ class RolloutResizer:
     def tick(self, policy_version: int) -> None:
         """One look, after a poll of the trainer (`policy_version`: what it has
         published): finish a give-back under way, give one back while a job
-        starves, or grow by one while none waits."""
+        starves, or grow by one while none waits. A resize that fails is logged
+        and tried again later: it never fails the job, which runs on as it is."""
+        try:
+            self._tick(policy_version)
+        except Exception as err:  # noqa: BLE001 - the job runs on with the workers it has
+            logger.warning("job %s: resizing its rollout workers failed: %s: %s",
+                           self.record.job_id, type(err).__name__, err)
+            self._next_look = time.monotonic() + GROW_EVERY_S
+
+    def _tick(self, policy_version: int) -> None:
         if self._leaving is not None:
             self._finish_give_back(policy_version)
             return
@@ -113,8 +122,7 @@ class RolloutResizer:
             client.close()
             return
         self.dispatcher.add_worker(address, client)
-        self.trainer.reconfigure(self.record.job_id, None,
-                                 rollout_addresses=[c.address for c in self.rollouts])
+        self._tell_trainer()
         self._recorded({"event": "rollout_worker_joined", "address": address,
                         "rank": plan.first_rank(index), "rollout_workers": len(self.rollouts),
                         "join_s": round(time.monotonic() - started, 3)})
@@ -127,8 +135,7 @@ class RolloutResizer:
         rerouted = self.dispatcher.worker_retired(address)
         detached = self.backend.detach_rollout(self.placement, address)
         self._tell_places(self._plan(), best_effort=True)
-        self.trainer.reconfigure(self.record.job_id, None,
-                                 rollout_addresses=[c.address for c in self.rollouts])
+        self._tell_trainer()
         self._leaving = (address, (client, detached), policy_version, time.monotonic())
         self._recorded({"event": "rollout_worker_leaving", "address": address,
                         "for_job": waiting_job, "groups_rerouted": rerouted,
@@ -178,6 +185,16 @@ class RolloutResizer:
                 logger.warning("job %s: engine %s not told its place %d/%d: %s",
                                self.record.job_id, client.address, plan.first_rank(i),
                                plan.world_size, err)
+
+    def _tell_trainer(self) -> None:
+        """The trainer's engines from now on. A trainer that cannot take them (it is
+        being restarted) starts with the placement's, which are these."""
+        try:
+            self.trainer.reconfigure(self.record.job_id, None,
+                                     rollout_addresses=[c.address for c in self.rollouts])
+        except Exception as err:  # noqa: BLE001 - a restarted trainer reads the placement
+            logger.warning("job %s: the trainer was not told its engines now: %s: %s",
+                           self.record.job_id, type(err).__name__, err)
 
     def _recorded(self, event: dict) -> None:
         self.events(event)

@@ -256,7 +256,7 @@ def test_more_trainer_deaths_than_the_budget_spread_over_the_window_succeed(tmp_
     """Four trainer kills, each more than cluster.restart_window_s after the last and
     each after the restarted trainer recorded a step: one over the default budget
     (3) as a lifetime count, none a crash loop. The job succeeds, every step once."""
-    window_s, kills = 8.0, 4
+    window_s, kills = 5.0, 4
     out = tmp_path / "run"
     proc = _start_quickstart(out, tiny_model, "trainer.num_steps=48",
                              f"cluster.restart_window_s={window_s}")

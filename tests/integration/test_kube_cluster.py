@@ -1,11 +1,12 @@
 """The Kubernetes backend end to end, over real HTTP against the strict API test
 server (kube_apiserver.py), with real `reflow serve worker` processes behind
 the pods' IPs (127.0.0.1x on loopback) running real jobs (vLLM rollout, torch
-trainer, real replay buffer on real Redis): concurrent placements, a stalled
-API server, pods recreated at new IPs, an idle pod replacing a lost one, leader
-fail-over between two scheduler processes, elastic jobs flipping and shrinking
-(with an injected conflict), and a job that grows into a released pod and gives
-it back to a job that waits.
+trainer, real replay buffer on real Redis): a stalled API server, pods
+recreated at new IPs, an idle pod replacing a lost one, leader fail-over
+between two scheduler processes, elastic jobs flipping and shrinking (with an
+injected conflict), and a job that grows into a released pod and gives it back
+to a job that waits. (Placements racing for pods and a claim losing to
+a 409: test_kube_backend.py.)
 
 The API server is ours, not a kube-apiserver: these tests exercise our calls
 against the API conventions (preconditions, watches, leases), not a cluster.
@@ -18,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -42,37 +42,14 @@ from tests.integration.kube_cluster import (NAMESPACE, NUM_WORKERS, REPO, SCHEDU
 
 pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
-def test_concurrent_jobs_use_disjoint_pods_and_released_pods_take_the_next_job(cluster,
-                                                                               scheduler):
-    api = cluster["api"]
-    # Two jobs submitted at the same moment race for the same first free pods.
-    submitted = []
-    threads = [threading.Thread(target=lambda n=n: submitted.append(
-        scheduler.submit(_spec(cluster, n, 3), job_id=n)[0].job_id)) for n in ("job-a", "job-b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    done = {j: _wait(lambda j=j: (r := scheduler.get(j)).terminal and r, 400, j)
-            for j in ("job-a", "job-b")}
-    for job in done.values():
-        assert job.phase == "SUCCEEDED", job.reason
-    pods_a = {p for ps in done["job-a"].workers.values() for p in ps}
-    pods_b = {p for ps in done["job-b"].workers.values() for p in ps}
-    assert len(pods_a) == len(pods_b) == 2 and not pods_a & pods_b
-    _wait(lambda: _all_idle(api), 60, "every pod released")
-    # Released pods taking the next job: the range test below; a claim that loses a
-    # race to an injected 409: test_kube_backend.py.
-
-
 def test_a_stalled_api_server_does_not_fail_a_running_job(cluster, scheduler):
     api = cluster["api"]
     scheduler.submit(_spec(cluster, "long", 100_000), job_id="long")
     _wait(lambda: scheduler.get("long").step >= 2, 300, "the job to train")
     errors_before = sum(scheduler.backend.api_errors.values())
-    api.stall(12)  # six request timeouts (2 s) and more: the watch's and the lease's
+    api.stall(30)
     try:
-        time.sleep(12)
+        time.sleep(30)
         assert scheduler.get("long").phase == "RUNNING"
     finally:
         api.unstall()

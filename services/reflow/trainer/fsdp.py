@@ -299,10 +299,11 @@ def send_sharded_weights(root: PolicyScorer, sync_group, bucket_bytes: int) -> i
         staging = torch.empty(max(sum(s.nbytes for s in b) for b in buckets),
                               dtype=torch.uint8, device=root_device(root))
     sent = 0
+    failed: BaseException | None = None
     with torch.no_grad():
         for bucket in buckets:
             flat = None
-            if staging is not None:
+            if staging is not None and failed is None:
                 nbytes = sum(s.nbytes for s in bucket)
                 flat = staging[:nbytes].view(bucket[0].torch_dtype)
             offset = 0
@@ -314,8 +315,16 @@ def send_sharded_weights(root: PolicyScorer, sync_group, bucket_bytes: int) -> i
                 offset += spec.numel
                 del whole
             if flat is not None:
-                broadcast_bucket(sync_group, flat)
-                sent += flat.numel() * flat.element_size()
+                try:
+                    broadcast_bucket(sync_group, flat)
+                    sent += flat.numel() * flat.element_size()
+                except Exception as err:  # noqa: BLE001 - raised once every gather is done
+                    # An engine is gone: the other ranks are in this publish's gathers
+                    # to its last bucket, so this rank gathers on, sending nothing, and
+                    # the FSDP group stays in step for the rebuilt weight sync.
+                    failed = err
+    if failed is not None:
+        raise failed
     return sent
 
 

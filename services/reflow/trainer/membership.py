@@ -216,6 +216,11 @@ class GroupMembership:
         holders = [] if initial else list(self.peers)
         if broken:
             holders = self._survivors(holders)
+            # An AsyncHybrid worker's engine dies with its replica (one process, one
+            # address): it leaves the weight-sync group before the next publish tries it.
+            engines = [c.address for c in self.rollouts]
+            if any(a in old_rank and a not in holders for a in engines):
+                self.set_engines([a for a in engines if a not in old_rank or a in holders])
         elif not initial:
             self._check_shard_holders(holders)
         # Joiners: not ranks of the current group (a rank a broken group lost is gone).

@@ -57,6 +57,10 @@ def publish_to_buffer(replay, job_id: str, version: int) -> int:
     return max(0, version - 1 - current)
 
 
+# How long a rebuild waits for the failed publish's sender to end its part.
+SENDER_WAIT_S = 120.0
+
+
 class WeightPublisher:
     """Weight-sync methods of `TrainLoop` (trainer/loop.py), which holds the state
     they use (`rollouts`, `_pool`, `_sync_group`, `policy_version`, the model)."""
@@ -123,7 +127,7 @@ class WeightPublisher:
                               **({"resync": True} if resync else {}))
             for client in self.rollouts
         ]
-        sender = self._pool.submit(self._send_weights)
+        sender = self._last_sender = self._pool.submit(self._send_weights)
         # A worker that refuses the version (or has died) never joins the broadcast,
         # which would then wait out the group's timeout: fail at its refusal instead.
         done, _ = concurrent.futures.wait([sender, *futures],
@@ -268,6 +272,14 @@ class WeightPublisher:
         if self._sync_group is not None:
             self._sync_group.abort()
             self._sync_group = None
+        sender = getattr(self, "_last_sender", None)
+        if sender is not None:
+            # The failed publish's sender ends its part before the next publish's
+            # collectives begin: an FSDP group's ranks gather to the last bucket.
+            done, _ = concurrent.futures.wait([sender], timeout=SENDER_WAIT_S)
+            if not done:
+                logger.warning("job %s: the failed publish's sender is still busy after "
+                               "%.0fs", self.job_id, SENDER_WAIT_S)
         self._wait_engines_running()
         self._engines_changed = False
         self.init_weight_sync()

@@ -55,8 +55,10 @@ JOB_CALLERS: dict[str, dict[str, tuple[str, ...]]] = {
         "SubmitGroup": (),
         "WaitSamples": (),
     },
-    # Trainer replicas poll their leader (trainer/membership.py).
-    "reflow.v1.Trainer": {"GetStatus": ("trainer",), "JoinGroup": ("trainer",)},
+    # Trainer replicas poll their leader, and the leader its replicas: it asks them
+    # to join its groups and to leave one it gave up (trainer/membership.py).
+    "reflow.v1.Trainer": {"GetStatus": ("trainer",), "JoinGroup": ("trainer",),
+                          "LeaveGroup": ("trainer",)},
     "reflow.v1.Worker": {"GetRole": ()},
     # Rollout workers run the environments that execute model-written code. The
     # sandbox keeps no book of jobs: any job whose rollout pass verifies is served

@@ -100,6 +100,7 @@ RETRIED_METHODS: dict[str, dict[str, str]] = {
         "GetStatus": "a read",
         "Reconfigure": "the same replicas again take the same next epoch; engines "
                        "already retired are retired again to no effect",
+        "LeaveGroup": "leaving a group already left does nothing",
     },
     "reflow.v1.Scheduler": {
         "GetJob": "a read",

@@ -82,3 +82,24 @@ def test_hsdp_trains_the_single_trainers_weights_and_survives_a_lost_replica(tin
     assert leader["steps"] == [4.0], leader
     # The survivors' rebuild moved no rows: each kept its shard.
     assert [r["received"] for r in reports[:2]] == [[0, 0], [0, 0]], reports
+
+
+def test_an_hsdp_rank_waiting_on_a_rank_that_gave_the_step_up_is_freed(tiny_model, tmp_path):
+    """The survivor of a lost replica can be left in a collective with a rank that
+    gave the step up and lives on (the leader), whose sockets gloo keeps open while
+    FSDP holds the group: the mesh's own timeout (trainer.collective_timeout_s, 5 s
+    here against the group's 600 s) frees it with an error counted as a broken
+    group, so it stands by for the rebuild instead of missing it."""
+    port = _ports(1)
+    out = tmp_path / "survivor.json"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.integration.mesh_timeout_rank",
+                               tiny_model, str(out), port, str(i)]) for i in range(2)]
+    try:
+        assert procs[1].wait(timeout=120) == 0
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    outcome = json.loads(out.read_text())
+    print(json.dumps(outcome))
+    assert outcome["ended"] == "failed", outcome
+    assert outcome["collective_failed"], outcome

@@ -82,25 +82,27 @@ def _spec(**cluster):
                            "cluster": cluster})
 
 
-@pytest.fixture(params=["return", "finish"])
-def pool_job(request):
-    spec = _spec(workers=3, trainer_workers=1, flip_inflight=request.param,
-                 flips=[{"at_step": 5, "worker": 2, "role": "trainer"}])
+def _pool_job(spec):
+    """A pool of spec.cluster.workers: worker 0 the scripted leader, every other a
+    HybridWorker over a real RolloutWorker (engine rank = its index)."""
+    n = spec.cluster.workers
     budget, engines, clients, hybrids, sources = Budget(), {}, {}, {}, {}
-    for i in (1, 2):
+    for i in range(1, n):
         engines[f"w{i}"] = StaggeredEngine(0.02)
         worker = RolloutWorker("j", spec, lambda e=engines[f"w{i}"]: e,
                                RepeatTask(8, 3, context=TaskContext(seed=i)), budget,
                                encode=lambda text: [1, 2], decode=lambda ids: "a",
-                               weight_sync=(i, 3, "127.0.0.1"))
+                               weight_sync=(i, n, "127.0.0.1"))
         worker.start()
         clients[f"w{i}"] = OneWorker(worker)
         hybrids[i] = HybridWorker(EngineSide(worker), trainer=None)
         sources[f"w{i}"] = worker
-    dispatcher = Dispatcher("j", spec, budget, clients, RepeatTask(8, 3, context=TaskContext(seed=1)))
+    standby = {f"w{i}" for i in range(1, spec.cluster.trainer_workers)}  # trainers at start
+    dispatcher = Dispatcher("j", spec, budget, clients, RepeatTask(8, 3, context=TaskContext(seed=1)),
+                            standby=standby)
     leader, events = Leader(), []
-    pool = ElasticPool("j", spec, ["w0", "w1", "w2"], leader, dispatcher,
-                       worker_client_factory=lambda a: RoleClient(hybrids[int(a[1])]),
+    pool = ElasticPool("j", spec, [f"w{i}" for i in range(n)], leader, dispatcher,
+                       worker_client_factory=lambda a: RoleClient(hybrids[int(a[1:])]),
                        record=events.append)
     dispatcher.start()
     pool.start_roles()
@@ -109,6 +111,12 @@ def pool_job(request):
     dispatcher.stop()
     for w in sources.values():
         w.stop()
+
+
+@pytest.fixture(params=["return", "finish"])
+def pool_job(request):
+    yield from _pool_job(_spec(workers=3, trainer_workers=1, flip_inflight=request.param,
+                               flips=[{"at_step": 5, "worker": 2, "role": "trainer"}]))
 
 
 def _wait(predicate, timeout_s=10.0):
@@ -474,3 +482,77 @@ def test_a_shift_inside_the_cooldown_waits_for_it(pool_job):
             break
     # Held for the cooldown (steps 2-5), carried out at step 6, K = 5 steps after step 1.
     assert reasons == [("cooldown", False)] * 4 + [("more_rollout", True)]
+
+
+def _hsdp_spec(**cluster):
+    return parse_job_spec({"model": {"path": "/m"},
+                           "trainer": {"batch_size": 8, "num_steps": 100,
+                                       "parallelism": "hsdp", "shard_size": 2},
+                           "rollout": {"group_size": 2, "max_inflight_samples": 4},
+                           "replay": {"max_staleness": 1}, "scheduler": {"placement": False},
+                           "cluster": {"workers": 5, "trainer_workers": 2, **cluster}})
+
+
+def test_an_hsdp_pool_moves_whole_replicas_in_one_membership_change_each():
+    """trainer.parallelism hsdp, replicas of 2: Algorithm 1's moves and the spec's
+    flips take a whole replica (its workers drain together, the leader gets them
+    in one membership), never half of one, and one worker alone is refused."""
+    jobs = _pool_job(_hsdp_spec())
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = next(jobs)
+    try:
+        with pytest.raises(FailedPrecondition, match="whole replicas of trainer.shard_size"):
+            pool.request(4, "trainer")
+        assert pool.rebalance(2, "more_trainer") == 0  # one worker: half a replica
+        assert pool.rebalance(1, "more_trainer") == 2  # workers 3 and 4, together
+        _wait(lambda: pool.flips_done == 1)
+        assert leader.history == [["w1", "w3", "w4"]]  # one membership change
+        flips = [e for e in events if e["event"] == "role_flip"]
+        assert [(e["worker"], e["to"], e["replica"]) for e in flips] == [
+            (3, "trainer", [3, 4]), (4, "trainer", [3, 4])]
+        assert {e["membership_epoch"] for e in flips} == {1}
+        assert all(e["samples_in_flight"] == 0 for e in flips)
+        assert [hybrids[i].role("j").role for i in (3, 4)] == ["trainer", "trainer"]
+        assert pool.by_role()["rollout"] == ["worker-2"]
+        assert dispatcher.role_flips["rollout->trainer"] == 2
+
+        assert pool.rebalance(3, "more_rollout") == 2  # the last replica leaves whole
+        _wait(lambda: pool.flips_done == 2)
+        assert leader.history[-1] == ["w1"]
+        assert pool.by_role() == {"trainer": ["worker-0", "worker-1"],
+                                  "rollout": ["worker-2", "worker-3", "worker-4"]}
+        before = {a: len(clients[a].prompts) for a in ("w3", "w4")}
+        _wait(lambda: all(len(clients[a].prompts) > before[a] for a in before))  # routed to
+    finally:
+        next(jobs, None)
+
+
+def test_an_hsdp_job_s_scripted_flips_come_a_replica_at_a_time():
+    replica = [{"at_step": 3, "worker": 3, "role": "trainer"},
+               {"at_step": 3, "worker": 4, "role": "trainer"}]
+    spec = _hsdp_spec(flips=replica)
+    for flips, where in [(replica[:1], r"cluster.flips\[0\]"),
+                         ([replica[0], {**replica[1], "at_step": 4}], r"cluster.flips\[0\]"),
+                         ([*replica, {"at_step": 5, "worker": 4, "role": "rollout"}],
+                          r"cluster.flips\[2\]")]:
+        with pytest.raises(ValueError, match=where + ".*2 at a time"):
+            _hsdp_spec(flips=flips)
+    jobs = _pool_job(spec)
+    pool, dispatcher, clients, sources, budget, leader, events, hybrids = next(jobs)
+    try:
+        pool.schedule(step=3)
+        _wait(lambda: pool.flips_done == 1)
+        # One membership for both, reported to the leader as both scripted flips.
+        assert leader.history == [["w1", "w3", "w4"]]
+        assert leader.scripted == [(2, ["w1", "w3", "w4"])]
+    finally:
+        next(jobs, None)
+
+
+def test_algorithm_1_moves_an_hsdp_pool_by_whole_replicas():
+    from reflow.scheduler.placement.feed import planner_for
+
+    spec = _hsdp_spec().model_copy(update={"scheduler": _hsdp_spec().scheduler.model_copy(
+        update={"placement": True})})
+    planner = planner_for(spec, 7)
+    # Trainer counts (worker 0's rank included) are whole replicas, at least one.
+    assert planner.feasible_splits() == [(1, 6), (3, 4), (5, 2)]

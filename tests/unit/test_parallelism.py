@@ -51,7 +51,13 @@ def test_hsdp_holds_whole_replicas_and_says_what_it_needs():
         with pytest.raises(ValueError, match=match):
             parse_job_spec({**base, "trainer": trainer,
                             **({"cluster": cluster} if cluster else {})})
-    with pytest.raises(ValueError, match="role flips move one worker at a time"):
-        parse_job_spec({"model": {"path": "/m"},
-                        "trainer": {"parallelism": "hsdp", "shard_size": 2},
-                        "cluster": {"workers": 5, "trainer_workers": 4}})  # placement on
+    # Algorithm 1 moves whole replicas (scheduler/placement/elastic.py); a scripted
+    # flip of one worker alone would leave half of one.
+    placed = parse_job_spec({"model": {"path": "/m"},
+                             "trainer": {"parallelism": "hsdp", "shard_size": 2},
+                             "cluster": {"workers": 5, "trainer_workers": 4}})
+    assert placed.flips_roles
+    with pytest.raises(ValueError, match=r"cluster.flips\[0\]: .*2 at a time"):
+        parse_job_spec({**base, "trainer": {"parallelism": "hsdp", "shard_size": 2},
+                        "cluster": {"workers": 5, "trainer_workers": 4, "flips": [
+                            {"at_step": 2, "worker": 3, "role": "rollout"}]}})

@@ -399,10 +399,15 @@ class JobSpec(_Section):
                 raise ValueError(f"trainer.parallelism: hsdp holds whole replicas of "
                                  f"trainer.shard_size ({shards}) ranks: set cluster.workers and "
                                  "a cluster.trainer_workers that is a multiple of it")
-            if self.flips_roles:
-                raise ValueError("trainer.parallelism: hsdp: its group changes by whole "
-                                 "replicas, and role flips move one worker at a time; set "
-                                 "scheduler.placement: false and no cluster.flips")
+            flips = self.cluster.flips
+            for at in range(0, len(flips), shards):
+                replica = flips[at:at + shards]
+                if (len(replica) < shards
+                        or len({(f.at_step, f.role) for f in replica}) > 1):
+                    raise ValueError(
+                        f"cluster.flips[{at}]: an hsdp trainer group changes by whole "
+                        f"replicas, so flips come {shards} at a time (trainer.shard_size), "
+                        "each run of them at one at_step to one role")
         if self.cluster.flips and self.scheduler.enabled("placement"):
             raise ValueError("cluster.flips: scheduled flips and the placement policy would move "
                              "the same workers; set scheduler.placement: false with cluster.flips")

@@ -117,6 +117,13 @@ class TrainerConfig(_Section):
         default=None, ge=1, le=4096,
         description="With hsdp: the ranks of one replica, over which each replica shards "
         "the model; the trainer group holds whole replicas (its size a multiple).")
+    collective_timeout_s: float = Field(
+        default=120.0, ge=5.0, le=86_400.0,
+        description="With hsdp: the longest one rank waits in one collective inside a step "
+        "or a weight-sync bucket (a replica's gathers and reduce-scatters, the all-reduce "
+        "across replicas) before the group counts as broken. A survivor of a lost replica "
+        "left waiting on a rank that gave the step up (alive, so its sockets stay open) is "
+        "freed by it and rejoins: keep it above the slowest bucket's push to the engines.")
     fsdp_cpu_offload: bool = Field(
         default=False,
         description="With fsdp: keep the sharded parameters, gradients and optimizer step "

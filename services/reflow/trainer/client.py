@@ -96,5 +96,15 @@ class GrpcTrainerClient:
                                            rendezvous_key=rendezvous_key)
         self._stub.JoinGroup(req, timeout=self.deadline_s)
 
+    def leave_group(self, job_id: str, membership_epoch: int) -> None:
+        from reflow.v1 import trainer_pb2
+
+        from reflow import rpc
+
+        req = trainer_pb2.LeaveGroupRequest(job_id=job_id, membership_epoch=membership_epoch)
+        # A replica whose worker died does not answer: core.errors.Unavailable.
+        with rpc.transient_as_unavailable(f"trainer {self.address}: LeaveGroup"):
+            self._stub.LeaveGroup(req, timeout=self.deadline_s)
+
     def close(self) -> None:
         self._channel.close()

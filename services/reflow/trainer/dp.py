@@ -117,6 +117,8 @@ class TrainerGroup:
             # waiting: whoever drops the group last runs gloo's blocking destructor.
             del group
             self._await(work, what)
+        except GroupBroken:  # abandoned: says so itself
+            raise
         except RuntimeError as err:  # gloo's and NCCL's errors, timeouts included
             raise GroupBroken(f"trainer group epoch {self.epoch}: {what} failed: "
                               f"{type(err).__name__}: {err}"[:1000]) from err

@@ -25,6 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from reflow.core.errors import Unavailable
 from reflow.core.restart_budget import CrashLoop
 from reflow.procs import free_port
 from reflow.trainer.dp import GroupBroken, TrainerGroup
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 # How long a rebuild waits for the surviving replicas to leave the broken group
 # (each does once its collective fails, which the leader's abort makes at once).
 PEER_STANDBY_WAIT_S = 60.0
+# How long a rebuilt hsdp group waits for the scheduler to drop a lost replica's
+# engines (it learns of a dead worker within seconds).
+ENGINES_GONE_WAIT_S = 60.0
 _PEER_POLL_S = 0.2
 # How long a sync boundary waits for the scheduler to deal with a scripted flip
 # due (a drain of the joining worker's engine included).
@@ -215,12 +219,8 @@ class GroupMembership:
         old_rank = {a: i for i, a in enumerate(self.peers, start=1)}
         holders = [] if initial else list(self.peers)
         if broken:
-            holders = self._survivors(holders)
-            # An AsyncHybrid worker's engine dies with its replica (one process, one
-            # address): it leaves the weight-sync group before the next publish tries it.
-            engines = [c.address for c in self.rollouts]
-            if any(a in old_rank and a not in holders for a in engines):
-                self.set_engines([a for a in engines if a not in old_rank or a in holders])
+            holders, gone = self._survivors(holders)
+            self._await_engines_gone(gone)
         elif not initial:
             self._check_shard_holders(holders)
         # Joiners: not ranks of the current group (a rank a broken group lost is gone).
@@ -288,17 +288,29 @@ class GroupMembership:
                     epoch, 1 + len(members), self.last_regroup_s,
                     f", {self.last_handoff}" if not initial else "")
 
-    def _survivors(self, holders: list[str]) -> list[str]:
+    def _survivors(self, holders: list[str]) -> tuple[list[str], list[str]]:
         """The ranks of a broken hsdp group that stand by still holding the shards of
-        its epoch (a lost replica's do not answer), in rank order. Asked all at once:
-        a dead one's status fails only after the channel's retries."""
-        deadline = time.monotonic() + PEER_STANDBY_WAIT_S
+        its epoch, in rank order, and those that do not answer (a lost replica's:
+        their workers are gone). Asked all at once:
+        a dead one's status fails only after the channel's retries. One left in a
+        collective with a rank that gave the step up leaves it at the mesh's timeout
+        (fsdp._mesh_timeouts): it is waited for that long, and more."""
+        deadline = (time.monotonic() + PEER_STANDBY_WAIT_S
+                    + self.spec.trainer.collective_timeout_s)
 
         def standing_by(address: str) -> str:
-            # A survivor still in the broken group's collective leaves it once the
-            # leader's abort reaches it: it is waited for, as _peers_standing_by does.
+            # A survivor still in the broken group's collective leaves it when told
+            # to (one waiting for a command), or at the mesh's timeout (one inside
+            # an FSDP collective): it is waited for.
             client = self._peer_client(address)
             try:
+                try:
+                    client.leave_group(self.job_id, self.membership_epoch)
+                except Unavailable:
+                    raise
+                except Exception as err:  # noqa: BLE001 - its status says where it is
+                    logger.info("job %s: rank %s not told to leave epoch %d: %s",
+                                self.job_id, address, self.membership_epoch, err)
                 while True:
                     status = client.status(self.job_id)
                     if (status.state == "standby"
@@ -319,7 +331,24 @@ class GroupMembership:
             if why:
                 logger.warning("job %s: rank %s of the broken group is %s: left out",
                                self.job_id, address, why)
-        return [a for a, why in zip(holders, answers) if not why]
+        return ([a for a, why in zip(holders, answers) if not why],
+                [a for a, why in zip(holders, answers) if why.startswith("unreachable")])
+
+    def _await_engines_gone(self, lost: list[str]) -> None:
+        """A lost replica's engines (an AsyncHybrid worker's engine dies with it)
+        leave the weight-sync group before the next publish tries them (a send to a
+        dead rank can wait out the group's timeout), once the scheduler says so: it
+        tells the engines left their places first, and an engine dropped here before
+        that would be asked to join at a place it does not know yet, and refuse.
+        Past ENGINES_GONE_WAIT_S the publish finds them gone itself."""
+        deadline = time.monotonic() + ENGINES_GONE_WAIT_S
+        while any(c.address in lost for c in self.rollouts):
+            self._apply_engines()
+            if time.monotonic() > deadline or self.stopping:
+                logger.warning("job %s: the scheduler has not dropped the lost replica's "
+                               "engines within %.0fs", self.job_id, ENGINES_GONE_WAIT_S)
+                return
+            time.sleep(_PEER_POLL_S)
 
     def _check_shard_holders(self, holders: list[str]) -> None:
         """Every current rank of an FSDP group holds shards no other has: each must

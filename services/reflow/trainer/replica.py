@@ -54,6 +54,7 @@ class TrainerReplica:
         self._thread: threading.Thread | None = None
         # hsdp: this rank's rank in the group that broke, whose shards it still holds.
         self.broken_rank: int | None = None
+        self._group: TrainerGroup | None = None  # the group it follows now
 
     def load(self) -> None:
         try:
@@ -97,6 +98,17 @@ class TrainerReplica:
                                             name="trainer-replica", daemon=True)
             self._thread.start()
 
+    def leave(self, epoch: int) -> None:
+        """The leader gave up the group of `epoch` (a rank of it was lost): the
+        collective this replica waits in ends with GroupBroken, and it stands by.
+        Its own collectives with the leader do not fail by themselves when the
+        group is FSDP's, which keeps the group's connections open (fsdp.py)."""
+        with self._lock:
+            group = self._group
+            if group is None or self.epoch != epoch or self.state != "training":
+                return  # left already, or not in that group
+        group.abandon(f"the leader gave up the group of epoch {epoch}")
+
     def _follow(self, master_port: int, rank: int, world_size: int, epoch: int,
                 rendezvous_key: str) -> None:
         loop = self.loop
@@ -122,6 +134,7 @@ class TrainerReplica:
                 return
             self.state = "training"
             while not self._stop.is_set():
+                self._group = group
                 op, step, trajectories, arg = group.receive_command()
                 if op == "train":
                     # The leader's rate for this step, from its number (schedule.py).

@@ -354,7 +354,8 @@ def apply_plan(loop, plan: ReshardPlan, me: int, union: TrainerGroup, host: str)
         return None, received
     group = ShardedGroup.build(host, plan.port, new_rank, plan.new_world, loop.device,
                                loop.group_timeout_s, plan.epoch,
-                               rendezvous_key=plan.rendezvous_key, shards=plan.new_shards)
+                               rendezvous_key=plan.rendezvous_key, shards=plan.new_shards,
+                               collective_timeout_s=loop.spec.trainer.collective_timeout_s)
     try:
         if plan.initial:
             # The first membership: the weights every rank loaded, sharded in place.

@@ -53,6 +53,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                 request.rendezvous_key)
         return common_pb2.Ack(ok=True)
 
+    def LeaveGroup(self, request, context):
+        self.service.leave_group(request.job_id, request.membership_epoch)
+        return common_pb2.Ack(ok=True)
+
 
 SERVICE_NAME = "reflow.v1.Trainer"
 # Calls that wait on the train loop: bounded by rpc.LongCallGuard.

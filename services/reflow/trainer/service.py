@@ -137,6 +137,10 @@ class TrainerService:
         the rendezvous key the leader drew for it."""
         self._replica_for(job_id).join(master_port, rank, world_size, epoch, rendezvous_key)
 
+    def leave_group(self, job_id: str, epoch: int) -> None:
+        """Replica: the leader gave up the group of `epoch` (a rank of it was lost)."""
+        self._replica_for(job_id).leave(epoch)
+
     def reconfigure(self, job_id: str, peers: list[str] | None,
                     rollout_addresses: list[str] | None = None, scripted_flips: int = 0) -> int:
         """Leader: the group's next replicas (None: unchanged), applied at the next

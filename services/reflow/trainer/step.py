@@ -201,6 +201,7 @@ def compute_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec:
         return _compute_step(model, optimizer, spec, trajectories, pad_id, device, group,
                              **options)
     except GroupBroken:
+        reshard_units(model)  # left by the leader mid-step (TrainerReplica.leave)
         raise
     except RuntimeError as err:
         if not collective_failed(err):

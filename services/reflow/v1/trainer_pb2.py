@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from reflow.v1 import common_pb2 as reflow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reflow/v1/trainer.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"\x82\x01\n\x12ReconfigureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rtrainer_peers\x18\x02 \x03(\t\x12\x19\n\x11rollout_addresses\x18\x03 \x03(\t\x12\x12\n\nkeep_peers\x18\x04 \x01(\x08\x12\x16\n\x0escripted_flips\x18\x05 \x01(\r\",\n\x10ReconfigureReply\x12\x18\n\x10membership_epoch\x18\x01 \x01(\x03\"\x8b\x01\n\x10JoinGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x18\n\x10membership_epoch\x18\x05 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x06 \x01(\t\":\n\x14TrainerStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsince_step\x18\x02 \x01(\x03\"\xf6\x01\n\rTrainerStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x19\n\x11last_metrics_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x14\n\x0cmetrics_json\x18\x07 \x03(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\x05\x12\x18\n\x10membership_epoch\x18\t \x01(\x03\x12\x16\n\x0elast_regroup_s\x18\n \x01(\x01\x12\x1a\n\x12last_state_handoff\x18\x0b \x01(\t2\xbc\x02\n\x07Trainer\x12\x36\n\x08StartJob\x12\x1a.reflow.v1.StartJobRequest\x1a\x0e.reflow.v1.Ack\x12,\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x0e.reflow.v1.Ack\x12\x46\n\tGetStatus\x12\x1f.reflow.v1.TrainerStatusRequest\x1a\x18.reflow.v1.TrainerStatus\x12I\n\x0bReconfigure\x12\x1d.reflow.v1.ReconfigureRequest\x1a\x1b.reflow.v1.ReconfigureReply\x12\x38\n\tJoinGroup\x12\x1b.reflow.v1.JoinGroupRequest\x1a\x0e.reflow.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17reflow/v1/trainer.proto\x12\treflow.v1\x1a\x16reflow/v1/common.proto\"\x82\x01\n\x12ReconfigureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rtrainer_peers\x18\x02 \x03(\t\x12\x19\n\x11rollout_addresses\x18\x03 \x03(\t\x12\x12\n\nkeep_peers\x18\x04 \x01(\x08\x12\x16\n\x0escripted_flips\x18\x05 \x01(\r\",\n\x10ReconfigureReply\x12\x18\n\x10membership_epoch\x18\x01 \x01(\x03\"\x8b\x01\n\x10JoinGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x18\n\x10membership_epoch\x18\x05 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x06 \x01(\t\"=\n\x11LeaveGroupRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x03\":\n\x14TrainerStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nsince_step\x18\x02 \x01(\x03\"\xf6\x01\n\rTrainerStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x19\n\x11last_metrics_json\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x14\n\x0cmetrics_json\x18\x07 \x03(\t\x12\x12\n\ngroup_size\x18\x08 \x01(\x05\x12\x18\n\x10membership_epoch\x18\t \x01(\x03\x12\x16\n\x0elast_regroup_s\x18\n \x01(\x01\x12\x1a\n\x12last_state_handoff\x18\x0b \x01(\t2\xf8\x02\n\x07Trainer\x12\x36\n\x08StartJob\x12\x1a.reflow.v1.StartJobRequest\x1a\x0e.reflow.v1.Ack\x12,\n\x07StopJob\x12\x11.reflow.v1.JobRef\x1a\x0e.reflow.v1.Ack\x12\x46\n\tGetStatus\x12\x1f.reflow.v1.TrainerStatusRequest\x1a\x18.reflow.v1.TrainerStatus\x12I\n\x0bReconfigure\x12\x1d.reflow.v1.ReconfigureRequest\x1a\x1b.reflow.v1.ReconfigureReply\x12\x38\n\tJoinGroup\x12\x1b.reflow.v1.JoinGroupRequest\x1a\x0e.reflow.v1.Ack\x12:\n\nLeaveGroup\x12\x1c.reflow.v1.LeaveGroupRequest\x1a\x0e.reflow.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECONFIGUREREPLY']._serialized_end=239
   _globals['_JOINGROUPREQUEST']._serialized_start=242
   _globals['_JOINGROUPREQUEST']._serialized_end=381
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=383
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=441
-  _globals['_TRAINERSTATUS']._serialized_start=444
-  _globals['_TRAINERSTATUS']._serialized_end=690
-  _globals['_TRAINER']._serialized_start=693
-  _globals['_TRAINER']._serialized_end=1009
+  _globals['_LEAVEGROUPREQUEST']._serialized_start=383
+  _globals['_LEAVEGROUPREQUEST']._serialized_end=444
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=446
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=504
+  _globals['_TRAINERSTATUS']._serialized_start=507
+  _globals['_TRAINERSTATUS']._serialized_end=753
+  _globals['_TRAINER']._serialized_start=756
+  _globals['_TRAINER']._serialized_end=1132
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,14 @@ class JoinGroupRequest(_message.Message):
     rendezvous_key: str
     def __init__(self, job_id: _Optional[str] = ..., master_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
 
+class LeaveGroupRequest(_message.Message):
+    __slots__ = ("job_id", "membership_epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    membership_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+
 class TrainerStatusRequest(_message.Message):
     __slots__ = ("job_id", "since_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

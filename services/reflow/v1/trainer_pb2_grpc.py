@@ -61,6 +61,11 @@ class TrainerStub:
                 request_serializer=reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.SerializeToString,
                 response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.LeaveGroup = channel.unary_unary(
+                '/reflow.v1.Trainer/LeaveGroup',
+                request_serializer=reflow_dot_v1_dot_trainer__pb2.LeaveGroupRequest.SerializeToString,
+                response_deserializer=reflow_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -102,6 +107,15 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaveGroup(self, request, context):
+        """Replica: the leader gave up the group of this epoch (a rank of it was
+        lost): leave it now, so that a collective waiting in it ends, and stand by
+        with the state held. Leaving an epoch already left does nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +142,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'JoinGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinGroup,
                     request_deserializer=reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.FromString,
+                    response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'LeaveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveGroup,
+                    request_deserializer=reflow_dot_v1_dot_trainer__pb2.LeaveGroupRequest.FromString,
                     response_serializer=reflow_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
     }
@@ -266,6 +285,33 @@ class Trainer:
             target,
             '/reflow.v1.Trainer/JoinGroup',
             reflow_dot_v1_dot_trainer__pb2.JoinGroupRequest.SerializeToString,
+            reflow_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reflow.v1.Trainer/LeaveGroup',
+            reflow_dot_v1_dot_trainer__pb2.LeaveGroupRequest.SerializeToString,
             reflow_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

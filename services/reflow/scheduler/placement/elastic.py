@@ -14,7 +14,12 @@ weight-sync group from the start, and a warm trainer replica. A flip:
   sync boundary; the engine, which has loaded every published version
   meanwhile, admits again; the dispatcher routes to it once it reports running.
 Flips run one at a time, each a scheduling event with its phases timed, and
-the job's record lists the workers by role. A flip is a sequence of calls and
+the job's record lists the workers by role. An hsdp trainer group
+(trainer.parallelism: hsdp) holds whole replicas of trainer.shard_size ranks,
+so its workers flip a replica at a time: the replica's workers drain together
+and the leader takes them in (or drops them) in one membership change, where
+a new replica copies its shards from a replica that holds them and a leaving
+one hands nothing on. A flip is a sequence of calls and
 waits (a generator that yields while it waits on a worker, the dispatcher or the
 leader); the pool's thread carries flips out on wall time, polling each wait,
 and the simulator (reflow.sim) carries the same generators out with `step()` at
@@ -80,6 +85,13 @@ class FlipRequest:
     """The flip's place (1-based) in the spec's cluster.flips; 0: not scripted."""
     refused: bool = False
     """A scripted flip refused when it was due: only reported to the leader."""
+    with_workers: tuple[int, ...] = ()
+    """The rest of a replica that flips with `worker` in one membership change
+    (trainer.parallelism: hsdp)."""
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return (self.worker, *self.with_workers)
 
 
 class ElasticPool:
@@ -98,6 +110,8 @@ class ElasticPool:
         self.names = list(names or [f"worker-{i}" for i in range(len(self.addresses))])
         self.relabel = relabel
         self.roles = [spec.cluster.initial_role(i) for i in range(len(self.addresses))]
+        # Workers move between roles this many at a time: one hsdp replica.
+        self.unit = spec.trainer.shard_size or 1
         self.leader, self.dispatcher, self.record = leader, dispatcher, record
         self._workers = {i: worker_client_factory(a) for i, a in enumerate(self.addresses) if i}
         self._queue: queue.Queue[FlipRequest | None] = queue.Queue()
@@ -147,25 +161,46 @@ class ElasticPool:
     def request(self, worker: int, role: str, reason: str = "requested", scripted: int = 0) -> int:
         """Queue a flip of `worker` to `role`; returns the flips queued before it.
         Refused (ValueError naming the field) if it names no flippable worker, or
-        would leave the job without a rollout worker."""
+        would leave the job without a rollout worker, or the trainer group holds
+        whole hsdp replicas (`request_replica` moves those)."""
+        if self.unit > 1:
+            raise FailedPrecondition(
+                f"worker: trainer.parallelism: hsdp moves whole replicas of "
+                f"trainer.shard_size ({self.unit}) workers, not one; Algorithm 1 "
+                "(scheduler.placement) moves them")
+        return self._enqueue((worker,), role, reason, scripted)
+
+    def request_replica(self, workers: list[int], role: str, reason: str) -> int:
+        """Queue one flip of `workers`, a whole hsdp replica (trainer.shard_size of
+        them), to `role`: they drain together and join or leave the trainer group
+        in one membership change. Returns the flips queued before it."""
+        if len(workers) != self.unit or len(set(workers)) != len(workers):
+            raise ValueError(f"workers: {len(workers)} given, and an hsdp replica is "
+                             f"trainer.shard_size ({self.unit}) distinct workers")
+        return self._enqueue(tuple(workers), role, reason, 0)
+
+    def _enqueue(self, workers: tuple[int, ...], role: str, reason: str, scripted: int) -> int:
         if role not in ("rollout", "trainer"):
             raise ValueError(f"role: {role[:40]!r} is not one of rollout, trainer")
         with self._lock:
-            if not 1 <= worker < len(self.addresses):
-                raise ValueError(f"worker: {worker} is not a flippable worker of this job "
-                                 f"(1 to {len(self.addresses) - 1}; 0 holds trainer rank 0)")
-            if self._planned[worker] == "lost":
-                raise FailedPrecondition(f"worker {worker} was lost; the job goes on without it")
-            if self._planned[worker] == role:
-                raise FailedPrecondition(f"worker {worker} is already a {role} worker "
-                                         "(or a queued flip makes it one)")
             planned = list(self._planned)
-            planned[worker] = role
+            for worker in workers:
+                if not 1 <= worker < len(self.addresses):
+                    raise ValueError(f"worker: {worker} is not a flippable worker of this job "
+                                     f"(1 to {len(self.addresses) - 1}; 0 holds trainer rank 0)")
+                if planned[worker] == "lost":
+                    raise FailedPrecondition(f"worker {worker} was lost; the job goes on "
+                                             "without it")
+                if planned[worker] == role:
+                    raise FailedPrecondition(f"worker {worker} is already a {role} worker "
+                                             "(or a queued flip makes it one)")
+                planned[worker] = role
             if "rollout" not in planned[1:]:
                 raise FailedPrecondition("the flip would leave the job without a rollout worker")
             self._planned = planned
             queued = self._queue.qsize()
-            self._queue.put(FlipRequest(worker, role, reason, scripted))
+            self._queue.put(FlipRequest(workers[0], role, reason, scripted,
+                                        with_workers=workers[1:]))
         return queued
 
     @property
@@ -176,8 +211,9 @@ class ElasticPool:
 
     def rebalance(self, rollout_workers: int, reason: str) -> int:
         """Move workers toward `rollout_workers` rollout workers (the rest train), as
-        Algorithm 1 chose; the highest-numbered workers move first. Returns the
-        flips requested (0 while another flip is under way)."""
+        Algorithm 1 chose; the highest-numbered workers move first (the trainer
+        group's last ranks: a leaving hsdp replica is its last one, whole). Returns
+        the workers moving (0 while another flip is under way)."""
         if self.busy:
             return 0
         with self._lock:
@@ -185,11 +221,14 @@ class ElasticPool:
         delta = rollout_workers - roles.count("rollout")
         source, target = ("trainer", "rollout") if delta > 0 else ("rollout", "trainer")
         movable = [i for i in range(len(roles) - 1, 0, -1) if roles[i] == source]
-        requested = 0
-        for worker in movable[:abs(delta)]:
-            self.request(worker, target, reason=f"placement: {reason}")
-            requested += 1
-        return requested
+        moving = movable[:abs(delta) // self.unit * self.unit]
+        for at in range(0, len(moving), self.unit):
+            workers = sorted(moving[at:at + self.unit])
+            if self.unit > 1:
+                self.request_replica(workers, target, reason=f"placement: {reason}")
+            else:
+                self.request(workers[0], target, reason=f"placement: {reason}")
+        return len(moving)
 
     def schedule(self, step: int) -> None:
         """Queue the spec's flips (cluster.flips) whose step the trainer has reached.
@@ -197,11 +236,14 @@ class ElasticPool:
         order: carried out (its membership pending) or refused."""
         flips = self.spec.cluster.flips
         while self._scheduled < len(flips) and flips[self._scheduled].at_step <= step:
-            flip = flips[self._scheduled]
-            self._scheduled += 1
+            # An hsdp replica's flips (the spec holds them together) go as one.
+            replica = flips[self._scheduled:self._scheduled + self.unit]
+            flip = replica[0]
+            self._scheduled += len(replica)
             reason = f"cluster.flips at step {flip.at_step}"
             try:
-                self.request(flip.worker, flip.role, reason, scripted=self._scheduled)
+                self._enqueue(tuple(f.worker for f in replica), flip.role, reason,
+                              self._scheduled)
             except (ValueError, FailedPrecondition) as err:
                 self.record({"event": "role_flip_refused", "worker": flip.worker,
                              "to": flip.role, "error": str(err)})
@@ -308,9 +350,13 @@ class ElasticPool:
         if flip.refused:
             self._report_scripted(flip.scripted)
             return
-        if self.roles[flip.worker] == "lost":
+        lost = [w for w in flip.workers if self.roles[w] == "lost"]
+        if lost:
+            with self._lock:  # the rest of a replica stays where it is
+                for w in flip.workers:
+                    self._planned[w] = self.roles[w]
             self.record({"event": "role_flip_dropped", "worker": flip.worker,
-                         "to": flip.role, "reason": "the worker was lost"})
+                         "to": flip.role, "reason": f"worker {lost[0]} was lost"})
             self._report_scripted(flip.scripted)
             return
         try:
@@ -321,7 +367,7 @@ class ElasticPool:
                          "to": flip.role, "reason": str(err)[:500]})
         except Exception as err:  # noqa: BLE001 - the job watcher fails the job
             self._report_scripted(flip.scripted)
-            if self.roles[flip.worker] == "lost":  # it died during its flip
+            if any(self.roles[w] == "lost" for w in flip.workers):  # died during its flip
                 self.record({"event": "role_flip_dropped", "worker": flip.worker,
                              "to": flip.role, "reason": f"the worker was lost: {err}"[:500]})
                 return
@@ -351,66 +397,83 @@ class ElasticPool:
                            self.job_id, scripted, err)
 
     def _flip(self, flip: FlipRequest) -> Iterator[None]:
-        address, client = self.addresses[flip.worker], self._workers[flip.worker]
+        workers = flip.workers
+        addresses = [self.addresses[w] for w in workers]
         source = self.roles[flip.worker]
         clock = self.clock
         started = clock.monotonic()
         phases: dict[str, float] = {}
+        in_flight = 0
         if flip.role == "trainer":
-            # Out of routing first, so nothing new lands while the engine drains.
-            self.dispatcher.set_standby(address, True)
+            # Out of routing first, so nothing new lands while the engines drain.
+            for address in addresses:
+                self.dispatcher.set_standby(address, True)
             t = clock.monotonic()
             hand_back = self.spec.cluster.flip_inflight == "return"
             returned_before = self.dispatcher.returned_groups
-            role = client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S, hand_back)
-            if role.engine_inflight:
-                # A worker that answered before its engine drained (a simulated one,
-                # whose generation runs on the virtual clock): wait for the drain.
-                yield from self._until(
-                    lambda: client.role(self.job_id).engine_inflight == 0, DRAIN_TIMEOUT_S,
-                    f"the drain of worker {flip.worker}'s engine")
+            for worker in workers:
+                client = self._workers[worker]
+                role = client.set_role(self.job_id, "trainer", DRAIN_TIMEOUT_S, hand_back)
+                if role.engine_inflight:
+                    # A worker that answered before its engine drained (a simulated
+                    # one, whose generation runs on the virtual clock): wait for it.
+                    yield from self._until(
+                        lambda c=client: c.role(self.job_id).engine_inflight == 0,
+                        DRAIN_TIMEOUT_S, f"the drain of worker {worker}'s engine")
             phases["drain_s"] = clock.monotonic() - t
-            # The dispatcher's count of the worker's samples still out: the drain
+            # The dispatcher's count of the workers' samples still out: the drain
             # ended each in the buffer, so this is 0 unless something was lost.
-            in_flight = yield from self._await_events(address)
-            self._set_role(flip.worker, "trainer")
+            for address in addresses:
+                in_flight += yield from self._await_events(address)
+            for worker in workers:
+                self._set_role(worker, "trainer")
             status = yield from self._regroup(phases, flip.scripted)
         else:
-            self._set_role(flip.worker, "rollout")
+            for worker in workers:
+                self._set_role(worker, "rollout")
             status = yield from self._regroup(phases, flip.scripted)
             t = clock.monotonic()
-            client.set_role(self.job_id, "rollout", 0.0)
-            self.dispatcher.set_standby(address, False)
-            while not self.dispatcher.routable(address):
+            for worker, address in zip(workers, addresses):
+                self._workers[worker].set_role(self.job_id, "rollout", 0.0)
+                self.dispatcher.set_standby(address, False)
+            while not all(self.dispatcher.routable(a) for a in addresses):
                 yield
             phases["admit_s"] = clock.monotonic() - t
         if self.relabel is not None:
             t = clock.monotonic()
-            try:
-                self.relabel(self.names[flip.worker], flip.role)
-            except Exception as err:  # noqa: BLE001 - the worker has flipped; the label lags
-                logger.warning("job %s: %s flipped to %s but its label did not follow: %s",
-                               self.job_id, self.names[flip.worker], flip.role, err)
-                self.record({"event": "role_label_failed", "worker": flip.worker,
-                             "to": flip.role, "error": str(err)[:500]})
+            for worker in workers:
+                self._relabel(worker, flip.role)
             phases["relabel_s"] = clock.monotonic() - t
         total = clock.monotonic() - started
         self.flips_done += 1
-        self.dispatcher.role_flips[f"{source}->{flip.role}"] += 1
-        self.record({"event": "role_flip", "worker": flip.worker,
-                     "name": self.names[flip.worker], "from": source,
-                     "to": flip.role, "reason": flip.reason,
-                     **{k: round(v, 3) for k, v in phases.items()},
-                     # The flip's own work, without the wait for the sync boundary.
-                     "flip_s": round(total - phases["wait_boundary_s"], 3),
-                     "total_s": round(total, 3), "trainer_group_size": status["group_size"],
-                     "membership_epoch": status["epoch"],
-                     **({"state_handoff": status["state_handoff"]}
-                        if status["state_handoff"] else {}),
-                     **shard_moves(status["state_handoff"]),
-                     **({"samples_in_flight": in_flight,
-                         "returned_groups": self.dispatcher.returned_groups - returned_before}
-                        if flip.role == "trainer" else {})})
+        self.dispatcher.role_flips[f"{source}->{flip.role}"] += len(workers)
+        for worker in workers:
+            self.record({"event": "role_flip", "worker": worker,
+                         "name": self.names[worker], "from": source,
+                         "to": flip.role, "reason": flip.reason,
+                         **({"replica": list(workers)} if len(workers) > 1 else {}),
+                         **{k: round(v, 3) for k, v in phases.items()},
+                         # The flip's own work, without the wait for the sync boundary.
+                         "flip_s": round(total - phases["wait_boundary_s"], 3),
+                         "total_s": round(total, 3),
+                         "trainer_group_size": status["group_size"],
+                         "membership_epoch": status["epoch"],
+                         **({"state_handoff": status["state_handoff"]}
+                            if status["state_handoff"] else {}),
+                         **shard_moves(status["state_handoff"]),
+                         **({"samples_in_flight": in_flight,
+                             "returned_groups": self.dispatcher.returned_groups
+                             - returned_before}
+                            if flip.role == "trainer" else {})})
+
+    def _relabel(self, worker: int, role: str) -> None:
+        try:
+            self.relabel(self.names[worker], role)
+        except Exception as err:  # noqa: BLE001 - the worker has flipped; the label lags
+            logger.warning("job %s: %s flipped to %s but its label did not follow: %s",
+                           self.job_id, self.names[worker], role, err)
+            self.record({"event": "role_label_failed", "worker": worker,
+                         "to": role, "error": str(err)[:500]})
 
     def _await_events(self, address: str, timeout_s: float = 10.0) -> Iterator[None]:
         """Samples the dispatcher still counts out on a worker that left rollout,

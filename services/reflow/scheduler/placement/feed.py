@@ -30,10 +30,13 @@ def planner_for(spec: JobSpec, total_workers: int) -> PlacementPlanner | None:
     its placement is on and the pool has a split to choose."""
     if not spec.scheduler.enabled("placement") or total_workers < 2:
         return None
+    # An hsdp trainer group moves by whole replicas and keeps one (elastic.py).
+    unit = spec.trainer.shard_size or 1
     policy = PlacementPolicy(replay_cap=spec.replay.replay_cap,
                              cooldown_steps=spec.scheduler.placement_cooldown_steps,
                              min_gain=spec.scheduler.placement_min_gain,
-                             windows=spec.scheduler.placement_windows)
+                             windows=spec.scheduler.placement_windows,
+                             trainer_unit=unit, min_trainer=unit)
     return PlacementPlanner(policy, total_workers)
 
 

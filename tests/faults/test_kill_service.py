@@ -1,5 +1,5 @@
-"""kill -9 of one service of a running `reflow run` job: the job controller
-restarts it (the trainer resumes from its last committed checkpoint, the replay
+"""kill -9 of services of a running `reflow run` job, one at a time: the job
+controller restarts each (the trainer resumes from its last committed checkpoint, the replay
 buffer is the same buffer again since its state is in Redis), and the job
 SUCCEEDS with every step recorded once, the buffer's ledger balanced and
 nothing left running."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -81,31 +80,36 @@ def _start_quickstart(out: Path, tiny_model: str, *overrides: str, options=()):
         start_new_session=True)
 
 
-def _run_and_kill(tmp_path, tiny_model, service: str, kill_at: int, options=()):
-    """Run the quickstart, SIGKILL `service` (or "redis") once `kill_at` steps are
-    recorded, and return the run directory."""
+def _run_and_kill(tmp_path, tiny_model, kills: list[tuple[str, int]], options=()):
+    """Run the quickstart, SIGKILL each `(service, step)` of `kills` in turn (a
+    service's name or "redis") once `step` steps are recorded, and return the run
+    directory once the job has succeeded with nothing left running."""
     out = tmp_path / "run"
     proc = _start_quickstart(out, tiny_model, options=options)
     cli = psutil.Process(proc.pid)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while len(_records(metrics)) < kill_at:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, "the job never reached the step to kill at"
-        time.sleep(0.05)
-    victim = _redis_pid(cli) if service == "redis" else _service_pid(cli, service)
-    descendants = {p.pid for p in cli.children(recursive=True)}
-    killed_at = time.time()
-    psutil.Process(victim).send_signal(signal.SIGKILL)
+    victims, descendants, killed = [], set(), []
+    for service, kill_at in kills:
+        while len(_records(metrics)) < kill_at:
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, f"the job never reached step {kill_at}"
+            time.sleep(0.05)
+        victim = _redis_pid(cli) if service == "redis" else _service_pid(cli, service)
+        descendants |= {p.pid for p in cli.children(recursive=True)}
+        killed.append((service, time.time()))
+        psutil.Process(victim).send_signal(signal.SIGKILL)
+        victims.append(victim)
     output = proc.communicate(timeout=900)[0]
     (tmp_path / "cli.log").write_text(output)
     assert proc.returncode == 0, output[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["phase"] == "SUCCEEDED", summary
-    assert not _alive(victim)
+    assert not [v for v in victims if _alive(v)]
     leftovers = [p for p in descendants if _alive(p)] + _processes_of(out)
     assert not leftovers, leftovers
-    _report(service, out, killed_at)
+    for service, killed_at in killed:
+        _report(service, out, killed_at)
     return out
 
 
@@ -156,76 +160,32 @@ def _assert_steps_once_and_versions_rise(records: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_resumes_from_its_checkpoint_and_the_job_succeeds(tmp_path, tiny_model):
-    # A step past the second checkpoint, chosen at random (seeded): not on a boundary
-    # by construction, so some steps are always lost and must be trained again.
-    kill_at = random.Random(28).choice([s for s in range(2 * INTERVAL + 1, NUM_STEPS - 6)
-                                        if s % INTERVAL])
-    out = _run_and_kill(tmp_path, tiny_model, "trainer", kill_at)
-    events = _restarts(out, "trainer")
-    assert len(events) == 1, events
-    restart = events[0]
-    # Resumed from the last checkpoint before the kill, not from step 0.
-    assert restart["exit_code"] == -signal.SIGKILL
-    assert restart["resumed_step"] >= 2 * INTERVAL and restart["resumed_step"] % INTERVAL == 0
-    assert restart["resumed_step"] <= kill_at
-    assert restart["checkpoint"] == f"step-{restart['resumed_step']:08d}"
-    # The curve continues from the checkpoint: every step once, in order, and the
-    # records of the lost steps moved aside.
-    records = _records(out / "metrics.jsonl")
-    _assert_steps_once_and_versions_rise(records)
-    superseded = _records(out / "metrics.superseded.jsonl")
-    assert all(r["step"] > restart["resumed_step"] for r in superseded)
-    resumed = records[restart["resumed_step"]]
-    assert resumed["resumed_from_step"] == restart["resumed_step"]
-    assert resumed["superseded_steps"] == len(superseded)
-    assert len(superseded) >= kill_at - restart["resumed_step"]
-    _assert_ledger_balances(records, superseded)
-    # The final weights were saved.
-    assert (out / "checkpoint" / "config.json").exists()
-
-
-@pytest.mark.slow
-def test_a_killed_replay_buffer_comes_back_and_no_step_is_lost(tmp_path, tiny_model):
-    out = _run_and_kill(tmp_path, tiny_model, "replay", kill_at=INTERVAL + 2)
-    events = _restarts(out, "replay")
-    assert len(events) == 1 and events[0]["exit_code"] == -signal.SIGKILL, events
-    assert not _restarts(out, "trainer")
-    records = _records(out / "metrics.jsonl")
-    _assert_steps_once_and_versions_rise(records)
-    assert not (out / "metrics.superseded.jsonl").exists()
-    _assert_ledger_balances(records, [])
-
-
-@pytest.mark.slow
-def test_a_killed_rollout_worker_is_replaced_and_its_groups_go_out_again(tmp_path, tiny_model):
-    out = _run_and_kill(tmp_path, tiny_model, "rollout", kill_at=INTERVAL + 2)
-    events = _restarts(out, "rollout")
-    assert len(events) == 1 and events[0]["exit_code"] == -signal.SIGKILL, events
-    assert not _restarts(out, "trainer")
-    lost = [e for e in _records(out / "scheduler_events.jsonl") if e.get("event") == "worker_lost"]
-    assert len(lost) == 1 and lost[0]["groups_rerouted"] == events[0]["groups_rerouted"]
-    records = _records(out / "metrics.jsonl")
-    # The trainer kept its weights and steps: nothing is trained again, and the new
-    # engine got the trained weights as a resync (versions still rise).
-    _assert_steps_once_and_versions_rise(records)
-    assert not (out / "metrics.superseded.jsonl").exists()
-    _assert_ledger_balances(records, [])
-
-
-@pytest.mark.slow
-def test_a_killed_redis_comes_back_from_its_append_only_file_and_nothing_is_lost(tmp_path,
-                                                                                 tiny_model):
-    """`reflow run`'s Redis is started again on its port and loads its append-only
-    file; fsynced before each acknowledgement (`always`), it lost nothing, and the
-    buffer's, the dispatcher's and the scheduler's clients ride the gap out on their
-    retries: no service restarts, no step is trained again. (Under `everysec` a
-    crash on a busy disk can lose up to ~2 s of them: docs/operations/faults.md.)"""
-    out = _run_and_kill(tmp_path, tiny_model, "redis", kill_at=INTERVAL + 2,
+def test_the_replay_buffer_the_rollout_worker_and_redis_killed_in_turn_lose_nothing(
+        tmp_path, tiny_model):
+    """One job, three faults, each after the job recovered from the last:
+    - the replay buffer is restarted at its address and is the same buffer (its
+      state is in Redis): nothing else restarts;
+    - the rollout worker is restarted from model.path, its groups in flight go out
+      again under their ids, the trainer rebuilds weight sync and sends it the
+      trained weights as a resync (versions still rise);
+    - `reflow run`'s Redis is started again on its port and loads its append-only
+      file; fsynced before each acknowledgement (`always`), it lost nothing, and the
+      buffer's, the dispatcher's and the scheduler's clients ride the gap out on
+      their retries. (Under `everysec` a crash on a busy disk can lose up to ~2 s of
+      them: docs/operations/faults.md.)
+    The trainer kept its weights and steps throughout: no step is trained again."""
+    out = _run_and_kill(tmp_path, tiny_model,
+                        [("replay", INTERVAL + 2), ("rollout", 3 * INTERVAL),
+                         ("redis", 4 * INTERVAL + 2)],
                         options=("--redis-appendfsync", "always"))
-    assert "embedded redis exited" in (tmp_path / "cli.log").read_text()
-    assert not [e for e in _records(out / "scheduler_events.jsonl")
+    restarts = [e for e in _records(out / "scheduler_events.jsonl")
                 if e.get("event") == "service_restarted"]
+    assert sorted(e["service"] for e in restarts) == ["replay", "rollout"], restarts
+    assert all(e["exit_code"] == -signal.SIGKILL for e in restarts), restarts
+    rollout = _restarts(out, "rollout")[0]
+    lost = [e for e in _records(out / "scheduler_events.jsonl") if e.get("event") == "worker_lost"]
+    assert len(lost) == 1 and lost[0]["groups_rerouted"] == rollout["groups_rerouted"]
+    assert "embedded redis exited" in (tmp_path / "cli.log").read_text()
     records = _records(out / "metrics.jsonl")
     _assert_steps_once_and_versions_rise(records)
     assert not (out / "metrics.superseded.jsonl").exists()
@@ -279,7 +239,23 @@ def test_more_trainer_deaths_than_the_budget_spread_over_the_window_succeed(tmp_
     assert len(restarts) == kills, restarts
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 49))
-    _assert_ledger_balances(records, _records(out / "metrics.superseded.jsonl"))
+    versions = [r["policy_version"] for r in records]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    superseded = _records(out / "metrics.superseded.jsonl")
+    # Each restart resumed from the newest committed checkpoint, not from step 0;
+    # the steps after it were trained again, their first records moved aside.
+    for restart in restarts:
+        assert restart["exit_code"] == -signal.SIGKILL
+        # Killed at step 2 x INTERVAL or later: a checkpoint had committed (the one
+        # that step started may still have been writing).
+        assert restart["resumed_step"] >= INTERVAL and restart["resumed_step"] % INTERVAL == 0
+        assert restart["checkpoint"] == f"step-{restart['resumed_step']:08d}"
+        assert records[restart["resumed_step"]]["resumed_from_step"] == restart["resumed_step"]
+    # Each resume counts what it moved aside in its first record, which a later
+    # resume may have moved aside in turn.
+    assert sum(r.get("superseded_steps", 0) for r in records + superseded) == len(superseded)
+    _assert_ledger_balances(records, superseded)
+    assert (out / "checkpoint" / "config.json").exists()  # the final weights were saved
     gaps = [round(b - a, 1) for a, b in zip(killed, killed[1:])]
     print(json.dumps({"trainer_kills": kills, "seconds_between_kills": gaps,
                       "restart_s": [e["restart_s"] for e in restarts]}))

@@ -186,6 +186,9 @@ def test_pending_jobs_are_placed_in_submission_order_and_a_handover_keeps_them_p
     # Each waiting job would try again on its own timer; a second apart, submitted
     # half a second apart, whichever timer fired first after a release would win.
     monkeypatch.setattr("reflow.scheduler.jobcontrol.service.QUEUE_RETRY_S", 1.0)
+    # Each job's end tells a buffer that is not there, which waits out EndJob's
+    # deadline (5 s a job).
+    monkeypatch.setattr("reflow.scheduler.jobcontrol.service.END_JOB_DEADLINE_S", 0.5)
     backend = OneSlotBackend()
     core = Scheduler(JobStore(redis.Redis.from_url(redis_server.url)), backend,
                      PathRoots(tmp_path, tmp_path))

@@ -78,20 +78,20 @@ class JobEnded(FailedPrecondition):
 
 @dataclass
 class FlipRequest:
-    worker: int
+    workers: tuple[int, ...]
+    """One worker, or an hsdp replica's (trainer.parallelism: hsdp), which flip in
+    one membership change."""
     role: str
     reason: str
     scripted: int = 0
-    """The flip's place (1-based) in the spec's cluster.flips; 0: not scripted."""
+    """The flip's place (1-based) in the spec's cluster.flips (its last, for a
+    replica's); 0: not scripted."""
     refused: bool = False
     """A scripted flip refused when it was due: only reported to the leader."""
-    with_workers: tuple[int, ...] = ()
-    """The rest of a replica that flips with `worker` in one membership change
-    (trainer.parallelism: hsdp)."""
 
     @property
-    def workers(self) -> tuple[int, ...]:
-        return (self.worker, *self.with_workers)
+    def worker(self) -> int:
+        return self.workers[0]
 
 
 class ElasticPool:
@@ -158,28 +158,21 @@ class ElasticPool:
 
     # --- requests -----------------------------------------------------------------------
 
-    def request(self, worker: int, role: str, reason: str = "requested", scripted: int = 0) -> int:
+    def request(self, worker: int, role: str, reason: str = "requested") -> int:
         """Queue a flip of `worker` to `role`; returns the flips queued before it.
         Refused (ValueError naming the field) if it names no flippable worker, or
         would leave the job without a rollout worker, or the trainer group holds
-        whole hsdp replicas (`request_replica` moves those)."""
+        whole hsdp replicas (Algorithm 1's `rebalance` moves those)."""
         if self.unit > 1:
             raise FailedPrecondition(
                 f"worker: trainer.parallelism: hsdp moves whole replicas of "
                 f"trainer.shard_size ({self.unit}) workers, not one; Algorithm 1 "
                 "(scheduler.placement) moves them")
-        return self._enqueue((worker,), role, reason, scripted)
-
-    def request_replica(self, workers: list[int], role: str, reason: str) -> int:
-        """Queue one flip of `workers`, a whole hsdp replica (trainer.shard_size of
-        them), to `role`: they drain together and join or leave the trainer group
-        in one membership change. Returns the flips queued before it."""
-        if len(workers) != self.unit or len(set(workers)) != len(workers):
-            raise ValueError(f"workers: {len(workers)} given, and an hsdp replica is "
-                             f"trainer.shard_size ({self.unit}) distinct workers")
-        return self._enqueue(tuple(workers), role, reason, 0)
+        return self._enqueue((worker,), role, reason, 0)
 
     def _enqueue(self, workers: tuple[int, ...], role: str, reason: str, scripted: int) -> int:
+        """Queue one flip of `workers` (one, or a whole hsdp replica: they drain
+        together and join or leave the trainer group in one membership change)."""
         if role not in ("rollout", "trainer"):
             raise ValueError(f"role: {role[:40]!r} is not one of rollout, trainer")
         with self._lock:
@@ -199,8 +192,7 @@ class ElasticPool:
                 raise FailedPrecondition("the flip would leave the job without a rollout worker")
             self._planned = planned
             queued = self._queue.qsize()
-            self._queue.put(FlipRequest(workers[0], role, reason, scripted,
-                                        with_workers=workers[1:]))
+            self._queue.put(FlipRequest(workers, role, reason, scripted))
         return queued
 
     @property
@@ -223,11 +215,8 @@ class ElasticPool:
         movable = [i for i in range(len(roles) - 1, 0, -1) if roles[i] == source]
         moving = movable[:abs(delta) // self.unit * self.unit]
         for at in range(0, len(moving), self.unit):
-            workers = sorted(moving[at:at + self.unit])
-            if self.unit > 1:
-                self.request_replica(workers, target, reason=f"placement: {reason}")
-            else:
-                self.request(workers[0], target, reason=f"placement: {reason}")
+            self._enqueue(tuple(sorted(moving[at:at + self.unit])), target,
+                          f"placement: {reason}", 0)
         return len(moving)
 
     def schedule(self, step: int) -> None:
@@ -248,8 +237,8 @@ class ElasticPool:
                 self.record({"event": "role_flip_refused", "worker": flip.worker,
                              "to": flip.role, "error": str(err)})
                 # After the flips queued before it, so the leader learns of them first.
-                self._queue.put(FlipRequest(flip.worker, flip.role, reason, self._scheduled,
-                                            refused=True))
+                self._queue.put(FlipRequest((flip.worker,), flip.role, reason,
+                                            self._scheduled, refused=True))
 
     def stop(self) -> None:
         self._stop.set()

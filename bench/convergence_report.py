@@ -1,8 +1,16 @@
-"""bench/convergence.py's output: the tables it prints and the plot it writes,
-from the analysis (`convergence.analyse`) of one plan's runs."""
+"""The learning tables: bench/convergence.py's printed tables and plot, and every
+table the docs quote, rebuilt from committed data alone.
+
+    python bench/convergence_report.py --check   # fails naming any table that differs
+    python bench/convergence_report.py --write   # rewrites them from bench/data/
+
+A table in bench/RESULTS.md or docs/ stands between `<!-- table STUDY/NAME -->` and
+`<!-- /table -->`; its body is what bench/study_analysis.py makes of the committed
+runs of bench/data/STUDY/ (their study.yaml fixes how), nothing typed by hand."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +43,11 @@ def _cell(stat: dict | None, fmt: str = ".3f", keys=("mean", "low", "high")) -> 
 
 
 def print_table(plan, result: dict, missing: dict[str, list[int]]) -> None:
-    boot = ("estimate", "low", "high")
+    boot = ("estimate", "t_low", "t_high")  # the paired t-interval: the one convention
     span = result["equal_first_use_range"]
     where = f"{span[0]:.0f}-{span[1]:.0f} first-use samples" if span else "no common range"
     print(f"\nReward at equal first-use samples ({where}); Δ: paired difference to "
-          f"{plan.reference}, bootstrap 95 % over paired seeds; others: mean [95 % t-interval] "
+          f"{plan.reference}, paired 95 % t-interval over seeds; others: mean [95 % t-interval] "
           f"over seeds; time to {plan.target_reward}: median [bootstrap 95 %].\n")
     print("| entry | seeds | run (s), mean [min, max] | reward, final window | Δ final | reward, mean over range "
           "| Δ mean | t to target (s) | reached | held-out, last version | Δ held-out last |")
@@ -59,13 +67,14 @@ def print_table(plan, result: dict, missing: dict[str, list[int]]) -> None:
         print(f"| {entry.name} | {summary['num_seeds']} | {_cell(elapsed, '.0f', ('mean', 'min', 'max'))} "
               f"| {_cell(equal.get('final_reward'))} | {_cell(diff.get('final_reward'), '+.3f', boot)} "
               f"| {_cell(equal.get('auc_reward'))} | {_cell(diff.get('auc_reward'), '+.3f', boot)} "
-              f"| {_cell(ttt, '.0f', boot)} | {ttt['reached']}/{summary['num_seeds']} "
+              f"| {_cell(ttt, '.0f', ('estimate', 'low', 'high'))} | {ttt['reached']}/{summary['num_seeds']} "
               f"| {_cell(held_last)} | {_cell(diff.get('held_out_last'), '+.3f', boot)} |")
-    print(f"\nPaired differences to {plan.reference}: bootstrap 95 % against the paired "
-          "t-interval (with few seeds the bootstrap is too narrow)\n")
+    print(f"\nPaired differences to {plan.reference}: the paired t-interval, and beside it, "
+          "labelled, the percentile bootstrap (too narrow with few seeds)\n")
     print("| entry | Δ final, bootstrap | Δ final, t | Δ mean, bootstrap | Δ mean, t |")
     print("|---|---|---|---|---|")
-    t_keys = ("estimate", "t_low", "t_high")
+    t_keys = boot
+    boot = ("estimate", "low", "high")
     for entry in plan.entries:
         diff = result["paired_vs_reference"].get(entry.name, {})
         if not diff.get("final_reward") or "t_low" not in diff["final_reward"]:
@@ -127,3 +136,79 @@ def plot(plan, result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# --- the learning tables in the docs, rebuilt from committed data -------------------
+
+TABLE = re.compile(r"(?P<open><!-- table (?P<key>[\w.-]+/[\w.-]+) -->\n)(?P<body>.*?)"
+                   r"(?P<close>\n?<!-- /table -->)", re.S)
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def pages(root: Path) -> list[Path]:
+    """Where learning tables may stand: the measurement log and the docs."""
+    return [root / "bench" / "RESULTS.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def rendered_tables(data: Path = DATA) -> dict[str, str]:
+    """Every committed study's tables, `study/name` -> markdown, from its files alone."""
+    import study_analysis as sa
+    import yaml
+
+    out = {}
+    for study_file in sorted(data.glob("*/study.yaml")):
+        study = sa.Study.from_yaml(study_file.parent.name, yaml.safe_load(study_file.read_text()))
+        for name, text in sa.tables(study, study_file.parent).items():
+            out[f"{study.name}/{name}"] = text.strip()
+    return out
+
+
+def sync_tables(root: Path, write: bool, data: Path | None = None) -> list[str]:
+    """Compare (or, with `write`, replace) every `<!-- table study/name -->` block with
+    its table rebuilt from committed data; the problems, one line each."""
+    tables = rendered_tables(data or root / "bench" / "data")
+    problems = []
+    for page in pages(root):
+        text = page.read_text()
+        new = text
+        for m in reversed(list(TABLE.finditer(text))):
+            key, body = m["key"], m["body"].strip()
+            line = text.count("\n", 0, m.start()) + 1
+            where = f"{page.relative_to(root)}:{line}"
+            if key not in tables:
+                problems.append(f"{where}: table {key}: no committed study makes it")
+                continue
+            if body != tables[key]:
+                problems.append(f"{where}: table {key} differs from its committed data "
+                                "(python bench/convergence_report.py --write rebuilds it)")
+                new = new[:m.start("body")] + tables[key] + new[m.end("body"):]
+        if write and new != text:
+            page.write_text(new)
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Rebuild the learning tables in "
+                                     "bench/RESULTS.md and docs/ from bench/data/ alone.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true",
+                      help="fail (exit 1) naming every table that differs from its data")
+    mode.add_argument("--write", action="store_true", help="rewrite the tables from the data")
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parents[1]
+    problems = sync_tables(root, write=args.write)
+    for p in problems:
+        print(p)
+    if args.check and problems:
+        return 1
+    if args.write:
+        print(f"{len(problems)} tables rewritten" if problems else "every table matches its data")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -10,6 +10,7 @@ checks each on hand-made input.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,6 +42,94 @@ def t975(df: int) -> float:
             frac = (1.0 / lo - 1.0 / df) / (1.0 / lo - inv_hi)
             return t_lo + frac * (t_hi - t_lo)
     raise AssertionError("unreachable")
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 400):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)),
+                    -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The q quantile of Student's t (bisection on t_cdf): any level, so an interval
+    can be widened for the number of comparisons a table reads (`corrected_level`)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be at least 1, got {df}")
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"t_quantile: q must be in (0, 1), got {q}")
+    if q < 0.5:
+        return -t_quantile(1.0 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+        if hi - lo < 1e-12:
+            break
+    return (lo + hi) / 2.0
+
+
+def corrected_level(num_comparisons: int, level: float = 0.95) -> float:
+    """Bonferroni: a table that reads m intervals gives each 1 - (1 - level)/m, so
+    that all m hold together with probability at least `level`."""
+    if num_comparisons < 1:
+        raise ValueError(f"corrected_level: need at least one comparison, got {num_comparisons}")
+    return 1.0 - (1.0 - level) / num_comparisons
+
+
+def paired_t(values: Sequence[float], reference: Sequence[float],
+             level: float = 0.95) -> dict[str, float]:
+    """The convention of every learning table: the mean paired difference
+    values[k] - reference[k] over seeds k (seed k: the same prompts and sampling
+    seed in both entries) and its t-interval at `level`, mean ± t_q(n-1) · s/√n.
+    NaN bounds with one pair; a pair with an infinite value (a target never
+    reached) gives no interval either."""
+    values, reference = np.asarray(values, dtype=float), np.asarray(reference, dtype=float)
+    if values.shape != reference.shape or values.ndim != 1 or values.size == 0:
+        raise ValueError("paired_t: one value per seed in each, in the same order")
+    diff = values - reference
+    n = diff.size
+    out = {"estimate": float(diff.mean()) if np.all(np.isfinite(diff)) else float("nan"),
+           "low": float("nan"), "high": float("nan"), "level": level, "num_seeds": int(n),
+           "per_seed": diff.tolist()}
+    if n >= 2 and np.all(np.isfinite(diff)):
+        half = t_quantile(0.5 + level / 2.0, n - 1) * diff.std(ddof=1) / math.sqrt(n)
+        out.update(low=float(diff.mean() - half), high=float(diff.mean() + half))
+    return out
 
 
 def t_interval(values: np.ndarray, axis: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -239,6 +239,31 @@ def cmd_datasets(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown datasets action {args.action!r}")
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from reflow.core.paths import datasets_root
+    from reflow.rollout.policy_eval import evaluate_policy
+
+    _setup_logging(os.environ.get("REFLOW_LOG_LEVEL", "WARNING"))
+    spec = _load_spec(args.config, args.overrides)
+    if args.num_prompts is not None and not 1 <= args.num_prompts <= 4096:
+        print(f"error: --num-prompts: {args.num_prompts}; need 1 to 4096", file=sys.stderr)
+        return 2
+    results = []
+    for policy in args.policy:
+        try:
+            fields = evaluate_policy(spec, Path(policy), datasets_root(), args.num_prompts)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        results.append({"policy": policy, **fields})
+        print(f"{policy}: pass@1 {fields.get('eval_pass_at_1', float('nan')):.4f} "
+              f"reward {fields['eval_reward']:.4f} over {fields['eval_num_prompts']} prompts "
+              f"({fields['eval_errors']} reward errors, {fields['eval_s']:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def cmd_sim(args) -> int:
     from reflow.sim.command import main as sim_main
 
@@ -295,6 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the REST API (env REFLOW_URL)")
         cmd.add_argument("--token", default=os.environ.get("REFLOW_API_TOKEN", ""),
                          help="API bearer token (env REFLOW_API_TOKEN)")
+
+    ev = sub.add_parser("eval", help="score saved policies (a run's policy/, its policies/ "
+                        "snapshots) on a job spec's held-out split, with the spec's eval settings")
+    ev.add_argument("config", help="JobSpec YAML file: its task, rollout and eval sections")
+    ev.add_argument("overrides", nargs="*", metavar="section.field=value")
+    ev.add_argument("--policy", action="append", required=True, metavar="DIR",
+                    help="a policy directory (Hugging Face format, LoRA merged); repeatable")
+    ev.add_argument("--num-prompts", type=int,
+                    help="held-out prompts to score (default: the spec's eval.num_prompts)")
+    ev.add_argument("--out", metavar="FILE", help="also write the results as JSON")
+    ev.set_defaults(fn=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark (modes: the four modes side by side; "
                            "trace: where a reflow step waits, from the buffer's counters)")

@@ -62,15 +62,18 @@ def run_example(name: str, out: Path, overrides: list[str]) -> tuple[list[dict],
 
 
 @pytest.mark.slow
-# math.yaml is math_lora.yaml without the adapters (both parse in test_config.py); the
-# full-weight path on SmolLM2 runs in the openai agent example below.
+# math.yaml is math_lora.yaml without the adapters, math_replay.yaml is it with an engine
+# batch limit, step-by-step answers and δ = 2 (all three parse in test_config.py; the
+# limit's engine path runs here, at a limit the step's samples, the evaluation and the
+# sync probe fit under); the full-weight path on SmolLM2 runs in the openai agent example.
 @pytest.mark.parametrize("example", ["math_lora.yaml"])
 def test_the_math_example_trains_smollm2_with_its_chat_template(example, smollm2_model, tmp_path):
     datasets = Path(os.environ["REFLOW_DATASETS_DIR"])
     export_gym("basic_arithmetic", datasets / "arithmetic.jsonl", 200, ARITHMETIC)
     records, counters = run_example(example, tmp_path / "run", [
         *SMALL, "trainer.batch_size=8", "rollout.max_tokens=48", "eval.interval=2",
-        "eval.num_prompts=2", "eval.k=2"])
+        "eval.num_prompts=2", "eval.k=2", "trainer.policy_snapshot_interval=1",
+        "rollout.max_num_seqs=16"])
     assert [r["step"] for r in records] == [1, 2]
     # The held-out split was scored twice: the initial weights, then version 2,
     # two samples a problem, with pass@k and maj@k (math gives final answers).
@@ -96,6 +99,21 @@ def test_the_math_example_trains_smollm2_with_its_chat_template(example, smollm2
         adapter = tmp_path / "run" / "checkpoint" / "adapter"
         assert (adapter / "adapter_model.safetensors").is_file()
         assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
+    # The policy after step 1, whole (LoRA merged), scored after the run by `reflow eval`
+    # on the held-out split, off the run's engines.
+    snapshot = tmp_path / "run" / "policies" / "step-1"
+    assert json.loads((snapshot / "reflow-policy.json").read_text())["step"] == 1
+    assert 0 < records[0]["policy_snapshot_s"] and "policy_snapshot_s" not in records[-1]
+    scored = subprocess.run(
+        [sys.executable, "-m", "reflow.cli", "eval", str(REPO / "examples" / example),
+         *SMALL, "rollout.max_tokens=48", "--policy", str(snapshot), "--num-prompts", "2",
+         "--out", str(tmp_path / "heldout.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert scored.returncode == 0, scored.stderr[-4000:]
+    (heldout,) = json.loads((tmp_path / "heldout.json").read_text())
+    assert heldout["policy"] == str(snapshot) and heldout["eval_num_prompts"] == 2
+    assert heldout["eval_samples"] + heldout["eval_errors"] == 2
+    assert 0.0 <= heldout["eval_pass_at_1"] <= 1.0
 
 
 @pytest.mark.slow

@@ -63,6 +63,11 @@ class RolloutConfig(_Section):
     kv_cache_gb: float = Field(
         default=1.0, gt=0.0, description="KV cache size for the vLLM engine (CPU)."
     )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="The most sequences the engine runs in one batch (vLLM's `max_num_seqs`): "
+        "the engine's own capacity, below any concurrency cap, the same in every mode; "
+        "requests beyond it wait in the engine's queue. None: vLLM's default.")
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0.0, le=0.98,
         description="vLLM's share of each GPU (its weights and KV cache). None: vLLM's "

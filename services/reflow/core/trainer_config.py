@@ -98,6 +98,13 @@ class TrainerConfig(_Section):
         description="Committed checkpoints kept; older ones are deleted once a newer one "
         "commits. Each holds the model and AdamW's two moments: about 3x the model's bytes.",
     )
+    policy_snapshot_interval: int = Field(
+        default=0, ge=0, le=1_000_000,
+        description="Also write the policy itself (the final policy's format: Hugging Face, "
+        "LoRA merged) every this many steps under <run_dir>/policies/step-<N>, to score later "
+        "with `reflow eval` (runs compared at a wall time or a sample count, the evaluation "
+        "off the run's engines). The step record carries `policy_snapshot_s`. 0: none. Not "
+        "with fsdp or hsdp (their whole weights are gathered at the end only).")
     parallelism: Literal["auto", "replicate", "fsdp", "hsdp"] = Field(
         default="auto",
         description="How the trainer group holds the model. `replicate`: every rank holds "
@@ -133,6 +140,14 @@ class TrainerConfig(_Section):
         default=600.0, gt=0.0, le=86_400.0,
         description="Longest wait for a batch before the job fails."
     )
+
+    @model_validator(mode="after")
+    def _check_snapshots(self) -> TrainerConfig:
+        if self.policy_snapshot_interval and self.parallelism in ("fsdp", "hsdp"):
+            raise ValueError("trainer.policy_snapshot_interval: snapshots need a replicated "
+                             "trainer (trainer.parallelism: replicate or auto); a sharded one "
+                             "gathers its whole weights at the end only. Set it to 0.")
+        return self
 
     @model_validator(mode="after")
     def _check_shards(self) -> TrainerConfig:

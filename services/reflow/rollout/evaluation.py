@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from reflow.core.task_config import MAX_EVAL_K
 from reflow.rollout.engine import SamplingSpec
-from reflow.rollout.eval_metrics import PromptOutcome, majority_index
+from reflow.rollout.eval_metrics import PromptOutcome, majority_index, summarize
 from reflow.rollout.records import PartialSample
 from reflow.rollout.scoring import score_texts
 from reflow.tasks.base import AnswerTask, Prompt
@@ -157,3 +157,23 @@ async def run_evaluation(worker, plan: EvalPlan) -> EvalResult:
                       num_samples=num_scored, num_errors=sum(c.num_errors for c in counted),
                       policy_version=version, seconds=time.monotonic() - started, k=k,
                       prompts=counted, voted=answers is not None)
+
+
+def result_fields(result: EvalResult, pass_k: list[int] | tuple[int, ...] = ()) -> dict:
+    """An evaluation's fields as a step record carries them (`eval_reward`,
+    `eval_policy_version`, ..., pass@1, pass@k and pass@k' for each k' of `pass_k`,
+    avg@k, maj@k where voted), for the trainer's periodic evaluation and `reflow
+    eval` alike."""
+    fields = {"eval_reward": result.reward_mean, "eval_policy_version": result.policy_version,
+              "eval_samples": result.num_samples, "eval_errors": result.num_errors,
+              "eval_s": result.seconds}
+    if not result.prompts:
+        return fields
+    k = result.k
+    metrics = summarize(result.prompts, [1, k, *pass_k], result.voted)
+    fields.update({"eval_k": k, "eval_pass_at_1": metrics["pass_at_1"],
+                   "eval_pass_at_k": metrics[f"pass_at_{k}"], "eval_avg_at_k": metrics["avg"]})
+    fields.update({f"eval_pass_at_{j}": metrics[f"pass_at_{j}"] for j in pass_k})
+    if "maj" in metrics:
+        fields["eval_maj_at_k"] = metrics["maj"]
+    return fields

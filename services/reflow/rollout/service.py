@@ -61,6 +61,7 @@ def _vllm_factory(spec: JobSpec, seed: int | None = None):
             gpu_memory_utilization=utilization,
             sleep_mode=sleep_mode,
             lora=spec.lora,
+            max_num_seqs=spec.rollout.max_num_seqs,
         )
 
     return build

@@ -97,6 +97,10 @@ def _segments(spans, num_tokens: int) -> list[tuple[int, int]] | None:
     return segments
 
 
+# vLLM's priority order: lower first; every sample has 0 (its default).
+PROBE_PRIORITY = -1
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -109,6 +113,7 @@ class VllmEngine:
         gpu_memory_utilization: float | None = None,
         sleep_mode: bool = False,
         lora: LoraConfig | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
         """On a GPU: `gpu_memory_utilization` (None: vLLM's default) and
         `sleep_mode` (vLLM's sleep around standby, rollout/memory.py); on CPU
@@ -162,6 +167,12 @@ class VllmEngine:
                if lora is not None else {}),
             **({"gpu_memory_utilization": gpu_memory_utilization}
                if gpu_memory_utilization is not None else {}),
+            # With a batch limit, requests wait in the engine's queue; the weight-sync
+            # check's probe (score) must not wait behind a queue of samples, or the
+            # trainer's start and every sync wait for it: priority order, the probe
+            # first, samples first come first served among themselves.
+            **({"max_num_seqs": max_num_seqs, "scheduling_policy": "priority"}
+               if max_num_seqs is not None else {}),
         )
         # Our recorder replaces vLLM's periodic log line; it only keeps the numbers.
         self.load: EngineLoad | None = None
@@ -257,7 +268,8 @@ class VllmEngine:
         result = None
         async for out in self._engine.generate(
                 TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                f"reflow-probe-{uuid.uuid4().hex}", lora_request=await self._adapter()):
+                f"reflow-probe-{uuid.uuid4().hex}", lora_request=await self._adapter(),
+                priority=PROBE_PRIORITY):
             result = out
         if result is None or result.prompt_logprobs is None:
             raise RuntimeError("the engine returned no prompt log-probabilities for the probe")

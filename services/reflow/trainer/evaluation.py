@@ -22,8 +22,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from reflow.rollout.eval_metrics import summarize
-from reflow.rollout.evaluation import EvalPlan
+from reflow.rollout.evaluation import EvalPlan, result_fields
 
 logger = logging.getLogger(__name__)
 
@@ -87,22 +86,7 @@ class PeriodicEval:
             self._pending = None
         if result is None:
             return {}
-        return {"eval_reward": result.reward_mean, "eval_policy_version": result.policy_version,
-                "eval_samples": result.num_samples, "eval_errors": result.num_errors,
-                "eval_s": result.seconds, **self._metrics(result)}
-
-    def _metrics(self, result) -> dict[str, Any]:
-        """pass@1, pass@k (and pass@k' of eval.pass_k), avg@k, maj@k where voted."""
-        if not result.prompts:
-            return {}
-        k = result.k
-        metrics = summarize(result.prompts, [1, k, *self.config.pass_k], result.voted)
-        fields = {"eval_k": k, "eval_pass_at_1": metrics["pass_at_1"],
-                  "eval_pass_at_k": metrics[f"pass_at_{k}"], "eval_avg_at_k": metrics["avg"]}
-        fields.update({f"eval_pass_at_{j}": metrics[f"pass_at_{j}"] for j in self.config.pass_k})
-        if "maj" in metrics:
-            fields["eval_maj_at_k"] = metrics["maj"]
-        return fields
+        return result_fields(result, self.config.pass_k)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

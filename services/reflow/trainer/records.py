@@ -11,6 +11,10 @@ from typing import Any
 from reflow.core.types import Batch
 
 
+def _first_use_reward(rewards: list[float]) -> dict[str, float]:
+    return {"first_use_reward_mean": sum(rewards) / len(rewards)} if rewards else {}
+
+
 def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s: float,
              sync_wait_s: float, step_s: float, rollout_delta: list[float],
              wall_s: float) -> dict[str, Any]:
@@ -47,6 +51,10 @@ def step_record(loop, batch: Batch, stats, wait_s: float, train_s: float, sync_s
         # Over the scored samples: one without a reward (reward_error) is excluded
         # from the loss and from this mean (rollout/scoring.py).
         "reward_mean": sum(t.reward for t in scored) / len(scored) if scored else 0.0,
+        # The same over samples trained for the first time (absent from a batch of
+        # replays only): a replayed sample's reward was counted when it was first
+        # trained, so a learning curve reads this one.
+        **_first_use_reward([t.reward for t in scored if t.uses == 0]),
         "reward_error_samples": len(trajs) - len(scored),
         "optimizer_step_skipped": not math.isfinite(grad_norm),
         "trained_tokens": trained_tokens,

@@ -84,9 +84,12 @@ What it reports (DIR/convergence.json holds all of it, DIR/convergence.png the c
   samples, over the range every run of the plan covers: the mean of the unsmoothed
   reward curve over the last `--final-fraction` of that range, and its mean over the
   whole range (the area under the curve divided by the range); the paired difference
-  seed by seed, with a percentile bootstrap interval over the paired seeds. Where both
-  evaluated, the same for the held-out reward at the last common version and averaged
-  over the common versions.
+  seed by seed, with the paired t-interval over seeds (the convention of every learning
+  table; the percentile bootstrap is printed beside it, labelled, and is too narrow at a
+  handful of seeds). Where both evaluated, the same for the held-out reward at the last
+  common version and averaged over the common versions. A comparison whose tables are
+  quoted as results is a pre-registered study instead (bench/study.py): its runs are
+  committed and its tables rebuilt from them (bench/convergence_report.py --check).
 """
 
 from __future__ import annotations

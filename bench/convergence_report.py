@@ -141,7 +141,7 @@ def plot(plan, result: dict, path: Path) -> None:
 # --- the learning tables in the docs, rebuilt from committed data -------------------
 
 TABLE = re.compile(r"(?P<open><!-- table (?P<key>[\w.-]+/[\w.-]+) -->\n)(?P<body>.*?)"
-                   r"(?P<close>\n?<!-- /table -->)", re.S)
+                   r"(?P<close><!-- /table -->)", re.S)
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -181,7 +181,8 @@ def sync_tables(root: Path, write: bool, data: Path | None = None) -> list[str]:
             if body != tables[key]:
                 problems.append(f"{where}: table {key} differs from its committed data "
                                 "(python bench/convergence_report.py --write rebuilds it)")
-                new = new[:m.start("body")] + tables[key] + new[m.end("body"):]
+                # The close marker on a line of its own: a table's last row stays a row.
+                new = new[:m.start("body")] + tables[key] + "\n" + new[m.end("body"):]
         if write and new != text:
             page.write_text(new)
     return problems

@@ -13,6 +13,13 @@ top_p 1, top_k 0, max_new_tokens, the tokenizer's EOS). Prompts are rendered as 
 rollout worker renders them (tasks.chat.ChatRenderer) and fed to both as tokens.
 Rewards are the task's own, on the text decoded without special tokens.
 
+Beside them, a far finer check: the trainer's per-token negative log-likelihood of
+each sampler's responses (trainer.step.sequence_logprobs, the law the engine samples
+from: softmax(logits / T), in float32 on the same weights). Two samplers with one law
+give responses of the same expected NLL a token (the law's entropy rate), and a paired
+difference over prompts resolves a few thousandths of a nat where reward, a 0/1 score,
+resolves a few hundredths.
+
 Prints a table (mean with a 95 % interval over prompts, and the paired difference)
 and writes DIR/sampler_parity.json.
 """
@@ -43,15 +50,40 @@ def _interval(values: list[float]) -> tuple[float, float, float]:
     return float(mean), float(low), float(high)
 
 
+METRICS = ("reward", "length", "stopped", "nll")
+
+
 def _summarise(per_prompt: list[dict]) -> dict:
-    return {key: _interval([p[key] for p in per_prompt])
-            for key in ("reward", "length", "stopped")}
+    return {key: _interval([p[key] for p in per_prompt]) for key in METRICS}
 
 
-def _per_prompt(samples: list[tuple[float, int, bool]]) -> dict:
+def _per_prompt(samples: list[tuple[float, int, bool]], nll: float) -> dict:
     return {"reward": statistics.fmean(s[0] for s in samples),
             "length": statistics.fmean(s[1] for s in samples),
-            "stopped": statistics.fmean(float(s[2]) for s in samples)}
+            "stopped": statistics.fmean(float(s[2]) for s in samples), "nll": nll}
+
+
+def _trainer_nll(model, prompt_ids: list[int], responses: list[list[int]],
+                 temperature: float, pad_id: int) -> float:
+    """The trainer's mean negative log-likelihood a response token over one prompt's
+    samples (tokens pooled: a long response weighs by its length)."""
+    import torch
+
+    from reflow.trainer.step import sequence_logprobs
+
+    rows = [prompt_ids + r for r in responses if r]
+    if not rows:
+        return float("nan")
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        logprobs = sequence_logprobs(model, ids, mask, temperature, chunk_tokens=None)
+    # Position t scores token t + 1: the response tokens are positions len(prompt) - 1 on.
+    start = len(prompt_ids) - 1
+    keep = mask[:, 1:].clone().float()
+    keep[:, :start] = 0.0
+    return float(-(logprobs * keep).sum() / keep.sum())
 
 
 async def _engine_samples(model_dir: str, spec, prompt_ids: list[list[int]], n: int,
@@ -147,10 +179,19 @@ def main(argv: list[str] | None = None) -> int:
                           renderer.stop_token_ids)
     timings["hf_generate_s"] = time.monotonic() - started
 
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(  # nosec B615 # local dir only
+        model_dir, dtype=torch.float32, local_files_only=True).eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
     def scored(rows):
         return [_per_prompt([(float(task.reward(p, tokenizer.decode(ids, skip_special_tokens=True))),
-                              len(ids), stopped) for ids, stopped in row])
-                for p, row in zip(prompts, rows)]
+                              len(ids), stopped) for ids, stopped in row],
+                            _trainer_nll(trainer_model, pids, [ids for ids, _ in row],
+                                         spec.rollout.temperature, pad_id))
+                for p, pids, row in zip(prompts, prompt_ids, rows)]
 
     engine, hf = scored(engine_rows), scored(hf_rows)
     diffs = [{k: e[k] - h[k] for k in e} for e, h in zip(engine, hf)]
@@ -161,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "sampler_parity.json").write_text(json.dumps(result, indent=2))
     print(f"{args.prompts} prompts x {args.samples} samples, weights {model_dir}; "
           "mean [95 % interval over prompts]")
-    print("| sampler | reward | response tokens | stopped by itself |\n|---|---|---|---|")
+    print("| sampler | reward | response tokens | stopped by itself | trainer NLL a token |\n"
+          "|---|---|---|---|---|")
     for name, key in (("ReFlow engine (vLLM)", "engine"), ("HF generate (TRL)", "hf_generate"),
                       ("engine - HF, paired", "engine_minus_hf")):
         cells = " | ".join(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" if key == "engine_minus_hf"
                            else f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
-                           for m, lo, hi in (result[key][k] for k in ("reward", "length", "stopped")))
+                           for m, lo, hi in (result[key][k] for k in METRICS))
         print(f"| {name} | {cells} |")
     return 0
 

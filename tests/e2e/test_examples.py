@@ -99,21 +99,12 @@ def test_the_math_example_trains_smollm2_with_its_chat_template(example, smollm2
         adapter = tmp_path / "run" / "checkpoint" / "adapter"
         assert (adapter / "adapter_model.safetensors").is_file()
         assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
-    # The policy after step 1, whole (LoRA merged), scored after the run by `reflow eval`
-    # on the held-out split, off the run's engines.
+    # The policy after step 1, whole (LoRA merged), for `reflow eval` after the run
+    # (tests/unit/test_policy_snapshots.py scores one; bench/study.py on vLLM).
     snapshot = tmp_path / "run" / "policies" / "step-1"
     assert json.loads((snapshot / "reflow-policy.json").read_text())["step"] == 1
+    assert (snapshot / "model.safetensors").is_file()
     assert 0 < records[0]["policy_snapshot_s"] and "policy_snapshot_s" not in records[-1]
-    scored = subprocess.run(
-        [sys.executable, "-m", "reflow.cli", "eval", str(REPO / "examples" / example),
-         *SMALL, "rollout.max_tokens=48", "--policy", str(snapshot), "--num-prompts", "2",
-         "--out", str(tmp_path / "heldout.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert scored.returncode == 0, scored.stderr[-4000:]
-    (heldout,) = json.loads((tmp_path / "heldout.json").read_text())
-    assert heldout["policy"] == str(snapshot) and heldout["eval_num_prompts"] == 2
-    assert heldout["eval_samples"] + heldout["eval_errors"] == 2
-    assert 0.0 <= heldout["eval_pass_at_1"] <= 1.0
 
 
 @pytest.mark.slow

@@ -64,3 +64,63 @@ def test_reflow_eval_names_what_is_wrong(tmp_path, capsys):
     assert "--num-prompts" in capsys.readouterr().err
     assert cli(["eval", "examples/math_replay.yaml", "--policy", str(tmp_path)]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+class AnswerEngine:
+    """Answers a held-out prompt with its correct response where the prompt's index
+    is even and with nothing otherwise, as token ids of the policy's tokenizer."""
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]]) -> None:
+        self.replies, self.shut = replies, False
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        from reflow.rollout.engine import TokenDelta
+
+        ids = self.replies[tuple(prompt_ids)]
+        assert sampling.temperature == 0.0  # greedy: the spec's eval settings
+        yield TokenDelta(token_ids=ids, logprobs=[0.0] * len(ids), finished=True,
+                         finish_reason="stop")
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_a_saved_policy_is_scored_on_the_held_out_split(tiny_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from reflow.rollout.policy_eval import evaluate_policy
+    from reflow.rollout.service import prompt_encoder
+    from reflow.tasks import build_task
+
+    policy = tmp_path / "policies" / "step-7"
+    shutil.copytree(tiny_model, policy)
+    (policy / "reflow-policy.json").write_text(json.dumps({"step": 7, "policy_version": 7}))
+    spec = load_job_spec("examples/quickstart.yaml", [f"model.path={policy}"])
+    tokenizer = AutoTokenizer.from_pretrained(str(policy), local_files_only=True)
+    task = build_task(spec, tmp_path, "eval")
+    encode, _ = prompt_encoder(task, tokenizer)
+    held_out = task.eval_prompts(6)
+    replies, expected = {}, 0.0
+    for i, p in enumerate(held_out):
+        symbol, count = p.answer.split(":")  # repeat's answer: the symbol, count times
+        right = " ".join([symbol] * int(count))
+        ids = tokenizer.encode(right, add_special_tokens=False) if i % 2 == 0 else []
+        replies[tuple(encode(p))] = ids
+        expected += task.reward(p, tokenizer.decode(ids, skip_special_tokens=True)) >= 1.0
+    expected /= len(held_out)
+    assert expected == 0.5  # the right answers score 1, the empty ones do not
+    engines = []
+
+    def factory(spec_, path):
+        assert path == policy
+        engines.append(AnswerEngine(replies))
+        return engines[-1]
+
+    fields = evaluate_policy(spec, policy, tmp_path, num_prompts=6, engine_factory=factory)
+    assert fields["eval_num_prompts"] == 6 and fields["eval_samples"] == 6
+    assert fields["eval_errors"] == 0
+    assert fields["eval_pass_at_1"] == pytest.approx(expected)
+    assert fields["eval_policy_version"] == 7  # the snapshot's own version
+    assert engines[0].shut  # the engine is shut down once scored

@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,15 +62,25 @@ def eval_plan(spec: JobSpec, num_prompts: int | None = None) -> EvalPlan:
                     temperature=c.temperature or 0.0, correct_threshold=c.correct_threshold)
 
 
+def _vllm_engine(spec: JobSpec, policy_dir: Path):
+    from reflow.rollout.vllm_engine import VllmEngine
+
+    # The merged policy alone: no adapter slot, whatever the job trained with.
+    return VllmEngine(str(policy_dir), dtype=spec.model.dtype, kv_cache_gb=spec.rollout.kv_cache_gb,
+                      seed=spec.seed, tensor_parallel_size=spec.rollout.tensor_parallel_size)
+
+
 def evaluate_policy(spec: JobSpec, policy_dir: Path, datasets_root: Path,
-                    num_prompts: int | None = None) -> dict[str, Any]:
+                    num_prompts: int | None = None,
+                    engine_factory: Callable[[JobSpec, Path], Any] = _vllm_engine
+                    ) -> dict[str, Any]:
     """Score the policy in `policy_dir` (a Hugging Face directory: a run's `policy/`
     or a snapshot, LoRA already merged) on the first `num_prompts` held-out prompts
-    of `spec`'s task. Returns the metrics a step record's `eval_*` fields carry."""
+    of `spec`'s task, on the engine `engine_factory(spec, policy_dir)` builds (vLLM's).
+    Returns the metrics a step record's `eval_*` fields carry."""
     from transformers import AutoTokenizer
 
     from reflow.rollout.service import prompt_encoder
-    from reflow.rollout.vllm_engine import VllmEngine
     from reflow.tasks import build_task, is_multi_turn, task_context
     from reflow.tasks.rewards import RewardPool
 
@@ -90,9 +101,7 @@ def evaluate_policy(spec: JobSpec, policy_dir: Path, datasets_root: Path,
         rewards = RewardPool(spec.task.name, spec.task.args, task_context(spec, datasets_root),
                              spec.task.reward_workers, spec.task.reward_timeout_s,
                              limits=spec.task.reward_limits)
-    # The merged policy alone: no adapter slot, whatever the job trained with.
-    engine = VllmEngine(str(policy_dir), dtype=spec.model.dtype, kv_cache_gb=spec.rollout.kv_cache_gb,
-                        seed=spec.seed, tensor_parallel_size=spec.rollout.tensor_parallel_size)
+    engine = engine_factory(spec, policy_dir)
     try:
         host = _EvalHost(spec, task, engine, encode,
                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

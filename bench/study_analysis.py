@@ -267,6 +267,13 @@ def tables(study: Study, directory: Path) -> dict[str, str]:
     done = sum(len(v) for v in runs.values())
     total = len(study.entries) * len(study.seeds)
     status = f"{done} of {total} runs committed ({len(study.seeds)} seeds x {len(study.entries)} entries)"
+    tripped = [f"{entry} seed {seed} ({run['steady_replay_fraction']:.3f})"
+               for entry in study.gate.entries for seed, run in sorted(runs.get(entry, {}).items())
+               if run.get("steady_replay_fraction", 1.0) < study.gate.min_replay_fraction]
+    if tripped:
+        status += (f"; stopped by its replay gate: {', '.join(tripped)} replayed less than "
+                   f"{study.gate.min_replay_fraction} of its trained samples from step "
+                   f"{study.gate.steady_from_step} on")
     return {"status": status,
             "primary": primary_table(study, runs),
             "secondary": secondary_table(study, runs),

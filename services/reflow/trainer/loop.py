@@ -43,7 +43,7 @@ from reflow.trainer.membership import GroupMembership
 from reflow.trainer.publish import WeightPublisher
 from reflow.trainer.records import step_record
 from reflow.trainer.schedule import set_learning_rate
-from reflow.trainer.snapshots import snapshot_due, write_snapshot
+from reflow.trainer.snapshots import snapshot_fields
 from reflow.trainer.sync_check import probe_token_ids
 from reflow.trainer.step import collate, compute_step, plan_micro_batches  # noqa: F401 - re-exported
 from reflow.tracking import open_trackers
@@ -356,13 +356,7 @@ class TrainLoop(GroupMembership, WeightPublisher):
                                    self._rollout_delta(rollout_before, rollout_now),
                                    time.monotonic() - start)
             rollout_before = rollout_now
-            # A sharded trainer's whole weights are gathered at the end only (config
-            # refuses snapshots with fsdp/hsdp; `auto` resolving to fsdp writes none).
-            if self.run_dir is not None and self.root is None and snapshot_due(
-                    self.spec.trainer.policy_snapshot_interval, self.step,
-                    self.spec.trainer.num_steps):
-                record["policy_snapshot_s"] = write_snapshot(
-                    self.save, self.run_dir, self.step, self.policy_version, self.job_id)
+            record.update(snapshot_fields(self))  # trainer.policy_snapshot_interval
             # The last record waits for the final version's evaluation: training is over.
             last = self.step == self.spec.trainer.num_steps
             record.update(self.evals.take(wait_s=EVAL_FINAL_WAIT_S if last else 0.0))

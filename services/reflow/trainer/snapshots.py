@@ -46,3 +46,14 @@ def write_snapshot(save: Callable[[Path], None], run_dir: Path, step: int,
         shutil.rmtree(path)
     os.replace(partial, path)
     return time.monotonic() - started
+
+
+def snapshot_fields(loop) -> dict[str, float]:
+    """Write the loop's policy if a snapshot is due after its step; the record's field.
+    A sharded trainer's whole weights are gathered at the end only (config refuses
+    snapshots with fsdp/hsdp; `auto` resolving to fsdp writes none)."""
+    if loop.run_dir is None or loop.root is not None or not snapshot_due(
+            loop.spec.trainer.policy_snapshot_interval, loop.step, loop.spec.trainer.num_steps):
+        return {}
+    return {"policy_snapshot_s": write_snapshot(loop.save, loop.run_dir, loop.step,
+                                                loop.policy_version, loop.job_id)}
